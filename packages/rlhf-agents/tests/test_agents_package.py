@@ -1,0 +1,20 @@
+"""The rlhf-agents distribution installs as a portion of the rlhf namespace."""
+
+import importlib
+import importlib.metadata
+import importlib.resources
+
+
+def test_agents_imports_as_namespace_portion() -> None:
+    rlhf = importlib.import_module("rlhf")
+    # PEP 420: the shared top level has no __init__.py, hence no __file__.
+    assert getattr(rlhf, "__file__", None) is None
+    module = importlib.import_module("rlhf.agents")
+    assert importlib.resources.files(module).joinpath("py.typed").is_file()
+
+
+def test_agents_version_train() -> None:
+    version = importlib.metadata.version("rlhf-agents")
+    requires = importlib.metadata.requires("rlhf-agents") or []
+    siblings = [r for r in requires if r.startswith("rlhf-")]
+    assert all(r.endswith(f"=={version}") for r in siblings), siblings

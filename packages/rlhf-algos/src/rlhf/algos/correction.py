@@ -1,0 +1,124 @@
+"""Train/rollout mismatch correction: importance weights between the learner and the sampler.
+
+vLLM samples with its own kernels, so its log-probs of the sampled tokens (logπ_rollout) differ
+from the learner's logπ_old for the same weights. With δ = logπ_old − logπ_rollout and
+w_t = exp(δ_t), the per-token loss is multiplied by a detached weight w' chosen by a *level*
+(which statistic is compared with the threshold [lo, hi]) and a *mode*:
+
+- level ``token``: statistic w_t.
+- level ``sequence``: statistic exp(Σ_t δ_t), the sequence likelihood ratio.
+- level ``geometric``: statistic exp(mean_t δ_t), the per-token geometric mean ratio.
+- mode ``truncate``: w' = clamp(statistic, lo, hi) (token level: TIS).
+- mode ``mask``: w' = w_t · 1[lo <= statistic <= hi] (token level: IcePop; sequence levels keep
+  or drop whole sequences and weight kept tokens by their own w_t).
+
+OpenRLHF's default threshold is [0.5, 5.0]. Weights outside the action mask are 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhf.algos import _checks
+from rlhf.algos.masked import masked_mean, masked_sum
+from rlhf.algos.registry import Registry
+
+LOG_RATIO_CLAMP = 20.0
+
+# Family signature: fn(delta: (B, T), mask: (B, T)) -> (B, T) statistic, broadcast per sequence
+CorrectionLevel = Callable[[Tensor, Tensor], Tensor]
+CORRECTION_LEVELS: Registry[CorrectionLevel] = Registry("rollout correction level")
+
+
+@CORRECTION_LEVELS.register("token")
+def token_level(delta: Tensor, mask: Tensor) -> Tensor:
+    """w_t = exp(δ_t). (B, T) → (B, T)."""
+    return torch.exp(delta)
+
+
+@CORRECTION_LEVELS.register("sequence")
+def sequence_level(delta: Tensor, mask: Tensor) -> Tensor:
+    """exp(Σ_t δ_t) per sequence, broadcast over its tokens. (B, T) → (B, T)."""
+    total = masked_sum(delta, mask, dim=1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(total).unsqueeze(1).expand_as(delta)
+
+
+@CORRECTION_LEVELS.register("geometric")
+def geometric_level(delta: Tensor, mask: Tensor) -> Tensor:
+    """exp(mean_t δ_t) per sequence, broadcast over its tokens. (B, T) → (B, T)."""
+    return torch.exp(masked_mean(delta, mask, dim=1)).unsqueeze(1).expand_as(delta)
+
+
+CORRECTION_MODES = ("truncate", "mask")
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Importance-sampling correction between learner and rollout log-probs.
+
+    Attributes:
+        level: Name in `CORRECTION_LEVELS`: token, sequence or geometric.
+        mode: ``truncate`` (clamp the statistic) or ``mask`` (drop tokens/sequences outside).
+        threshold: (lo, hi) with 0 <= lo < hi.
+    """
+
+    level: str = "token"
+    mode: str = "truncate"
+    threshold: tuple[float, float] = (0.5, 5.0)
+
+    def __post_init__(self) -> None:
+        CORRECTION_LEVELS.canonical(self.level)
+        if self.mode not in CORRECTION_MODES:
+            raise ValueError(
+                f"rollout_correction.mode {self.mode!r} is unknown; choose one of: "
+                f"{', '.join(CORRECTION_MODES)}"
+            )
+        low, _ = _checks.interval("rollout_correction.threshold", self.threshold, strict=True)
+        if low < 0:
+            raise ValueError(f"rollout_correction.threshold must be >= 0, got {self.threshold}")
+
+
+def rollout_correction_weights(
+    *,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    action_mask: Tensor,
+    config: RolloutCorrectionConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Detached per-token importance weights w' correcting for the train/rollout mismatch.
+
+    Args:
+        old_logprobs: (B, T) learner log-probs of the sampled tokens before the update.
+        rollout_logprobs: (B, T) the sampler's log-probs of the same tokens.
+        action_mask: (B, T).
+        config: Level, mode and threshold.
+
+    Returns:
+        (weights (B, T) detached and 0 outside the mask, metrics).
+    """
+    old = _checks.floating("old_logprobs", old_logprobs, ndim=2)
+    rollout = _checks.floating("rollout_logprobs", rollout_logprobs)
+    _checks.same_shape("old_logprobs", old, rollout_logprobs=rollout)
+    m = _checks.mask("action_mask", action_mask, like=old, like_name="old_logprobs")
+    low, high = config.threshold
+    delta = (old.detach() - rollout.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    delta = torch.where(m > 0, delta, torch.zeros_like(delta))
+    statistic = CORRECTION_LEVELS.get(config.level)(delta, m)
+    inside = (statistic >= low) & (statistic <= high)
+    if config.mode == "truncate":
+        weights = statistic.clamp(min=low, max=high)
+    else:
+        weights = torch.exp(delta) * inside.to(delta.dtype)
+    weights = torch.where(m > 0, weights, torch.zeros_like(weights))
+    outside = (~inside).to(delta.dtype)
+    metrics = {
+        "rollout_correction/outside_frac": masked_mean(outside, m).detach(),
+        "rollout_correction/weight_mean": masked_mean(weights, m).detach(),
+        # k3 estimate of KL(rollout || old) from the rollout's own samples.
+        "rollout_correction/mismatch_kl": masked_mean(torch.expm1(delta) - delta, m).detach(),
+    }
+    return weights.detach(), metrics

@@ -1,0 +1,188 @@
+"""Log-probs of chosen tokens and entropy from logits, computed in row chunks.
+
+For logits z ∈ R^V scaled by a temperature τ (z ← z/τ):
+logp(y) = z_y − logsumexp(z) and H = logsumexp(z) − Σ_v softmax(z)_v·z_v.
+
+The naive route, ``log_softmax(logits.float() / τ)``, materialises one or two float32 copies of
+the whole (B, T, V) tensor (1 GiB each at B=4, T=2048, V=32768). Here rows are processed in
+chunks of about ``chunk_elements`` logits, in float32, and a custom autograd function saves only
+the input and one logsumexp per row; the backward pass recomputes the softmax chunk by chunk:
+
+    ∂logp/∂z = onehot(y) − p,        ∂H/∂z = −p ⊙ (z − Σ_v p_v z_v).
+
+So neither the forward nor the backward pass holds more than a few chunk-sized float32 buffers
+besides the gradient of the logits itself. The entropy uses the same temperature-scaled logits
+as the log-probs (OpenRLHF computes it on unscaled logits). Outputs are float32 whatever the
+logits' dtype. Double backward is not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf.algos import _checks
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4M logits: 16 MiB per float32 buffer
+
+
+def _scaled(chunk: Tensor, temperature: float) -> Tensor:
+    """Float32 logits of one chunk divided by τ; never writes into the caller's tensor."""
+    if temperature == 1.0:
+        return chunk.float()
+    return chunk.to(torch.float32, copy=True).div_(temperature)
+
+
+class _ChunkedLogprobsEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: Tensor,
+        labels: Tensor | None,
+        temperature: float,
+        rows_per_chunk: int,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        n = logits.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        logprobs = torch.empty(
+            n if labels is not None else 0, dtype=torch.float32, device=logits.device
+        )
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        for start in range(0, n, rows_per_chunk):
+            end = min(start + rows_per_chunk, n)
+            z = _scaled(logits[start:end], temperature)
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            lse[start:end] = chunk_lse
+            if labels is not None:
+                picked = z.gather(1, labels[start:end].unsqueeze(1)).squeeze(1)
+                logprobs[start:end] = picked - chunk_lse
+            if with_entropy:
+                p = torch.sub(z, chunk_lse.unsqueeze(1)).exp_()
+                entropy[start:end] = chunk_lse - torch.einsum("nv,nv->n", p, z)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels if labels is not None else torch.empty(0), lse)
+        ctx.has_labels = labels is not None
+        ctx.temperature = temperature
+        ctx.rows_per_chunk = rows_per_chunk
+        ctx.with_entropy = with_entropy
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_logprobs: Tensor, grad_entropy: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        use_lp = ctx.has_labels and grad_logprobs is not None
+        use_ent = ctx.with_entropy and grad_entropy is not None
+        for start in range(0, logits.shape[0], ctx.rows_per_chunk):
+            end = min(start + ctx.rows_per_chunk, logits.shape[0])
+            # An owned float32 copy: the in-place steps below must never touch the input.
+            z = logits[start:end].to(torch.float32, copy=True)
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
+            p = torch.sub(z, lse[start:end].unsqueeze(1)).exp_()
+            if use_ent:
+                mean_z = torch.einsum("nv,nv->n", p, z).unsqueeze(1)
+                g = z.sub_(mean_z).mul_(p).mul_(-grad_entropy[start:end].unsqueeze(1))
+            else:
+                g = z.zero_()
+            if use_lp:
+                g_lp = grad_logprobs[start:end].unsqueeze(1)
+                g.sub_(p.mul_(g_lp))
+                g.scatter_add_(1, labels[start:end].unsqueeze(1), g_lp)
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)
+            grad[start:end] = g
+        return grad, None, None, None, None
+
+
+def _flatten(logits: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    z = _checks.floating("logits", logits)
+    if z.ndim < 2:
+        raise ValueError(f"logits must have shape (..., V), got {tuple(z.shape)}")
+    flat = z.reshape(-1, z.shape[-1])
+    if labels is None:
+        return flat, None
+    y = _checks.tensor("labels", labels)
+    if y.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"labels must be an integer tensor, got dtype {y.dtype}")
+    if y.shape != z.shape[:-1]:
+        raise ValueError(
+            f"labels has shape {tuple(y.shape)} but must equal logits.shape[:-1] = "
+            f"{tuple(z.shape[:-1])}"
+        )
+    flat_y = y.reshape(-1).to(torch.int64)
+    if flat_y.numel() and (int(flat_y.min()) < 0 or int(flat_y.max()) >= z.shape[-1]):
+        raise ValueError(
+            f"labels must lie in [0, V={z.shape[-1]}), got values in "
+            f"[{int(flat_y.min())}, {int(flat_y.max())}]; replace ignore indices (e.g. -100) by "
+            "a valid id and mask those positions instead"
+        )
+    return flat, flat_y
+
+
+def _rows_per_chunk(vocab: int, chunk_elements: int) -> int:
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
+    return max(1, chunk_elements // vocab)
+
+
+def logprobs_and_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``labels`` and (optionally) entropy, in one chunked pass.
+
+    Args:
+        logits: (..., V), e.g. (B, T, V), any float dtype; the chunks are upcast to float32.
+        labels: (...) integer ids in [0, V), aligned with ``logits`` (shift them yourself: the
+            logits at position t score the token at t + 1).
+        temperature: τ > 0, the sampling temperature the rollout used.
+        with_entropy: Also return the entropy.
+        chunk_elements: Logits processed per chunk (memory knob, no effect on results).
+
+    Returns:
+        (logprobs (...), entropy (...) or None), float32.
+    """
+    tau = _checks.positive("temperature", temperature)
+    flat, flat_y = _flatten(logits, labels)
+    rows = _rows_per_chunk(flat.shape[1], chunk_elements)
+    lp, ent = _ChunkedLogprobsEntropy.apply(flat, flat_y, tau, rows, with_entropy)
+    shape = logits.shape[:-1]
+    return lp.view(shape), (ent.view(shape) if with_entropy else None)
+
+
+def logprobs_from_logits(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> Tensor:
+    """logp(y) = z_y/τ − logsumexp(z/τ). Shapes: logits (..., V), labels (...) → (...) float32."""
+    lp, _ = logprobs_and_entropy(
+        logits, labels, temperature=temperature, with_entropy=False, chunk_elements=chunk_elements
+    )
+    return lp
+
+
+def entropy_from_logits(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> Tensor:
+    """H = logsumexp(z/τ) − Σ softmax(z/τ)·z/τ. Shapes: logits (..., V) → (...) float32."""
+    tau = _checks.positive("temperature", temperature)
+    flat, _ = _flatten(logits, None)
+    rows = _rows_per_chunk(flat.shape[1], chunk_elements)
+    _, ent = _ChunkedLogprobsEntropy.apply(flat, None, tau, rows, True)
+    return ent.view(logits.shape[:-1])

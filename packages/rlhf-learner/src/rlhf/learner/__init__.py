@@ -1,0 +1,5 @@
+"""rlhf.learner: The training side of rlhf.
+
+This package is at its foundation stage: it builds, installs and imports, and carries the
+namespace, typing marker and dependency pins. Its contents arrive with issue 5.
+"""

@@ -1,19 +1,20 @@
 """Log-probs of chosen tokens and entropy from logits, computed in row chunks.
 
 For logits z ∈ R^V scaled by a temperature τ (z ← z/τ):
-logp(y) = z_y − logsumexp(z) and H = logsumexp(z) − Σ_v softmax(z)_v·z_v.
+logp(y) = z_y − logsumexp(z) and H = −Σ_v p_v·log p_v with p = softmax(z).
 
 The naive route, ``log_softmax(logits.float() / τ)``, materialises one or two float32 copies of
 the whole (B, T, V) tensor (1 GiB each at B=4, T=2048, V=32768). Here rows are processed in
 chunks of about ``chunk_elements`` logits, in float32, and a custom autograd function saves only
 the input and one logsumexp per row; the backward pass recomputes the softmax chunk by chunk:
 
-    ∂logp/∂z = onehot(y) − p,        ∂H/∂z = −p ⊙ (z − Σ_v p_v z_v).
+    ∂logp/∂z = onehot(y) − p,        ∂H/∂z = −p ⊙ (log p + H).
 
 So neither the forward nor the backward pass holds more than a few chunk-sized float32 buffers
 besides the gradient of the logits itself. The entropy uses the same temperature-scaled logits
-as the log-probs (OpenRLHF computes it on unscaled logits). Outputs are float32 whatever the
-logits' dtype. Double backward is not supported.
+as the log-probs (OpenRLHF computes it on unscaled logits). Half, bfloat16 and float32 logits
+are computed and returned in float32, float64 logits in float64. Double backward is not
+supported.
 """
 
 from __future__ import annotations
@@ -28,11 +29,18 @@ from rlhf.algos import _checks
 DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4M logits: 16 MiB per float32 buffer
 
 
-def _scaled(chunk: Tensor, temperature: float) -> Tensor:
-    """Float32 logits of one chunk divided by τ; never writes into the caller's tensor."""
-    if temperature == 1.0:
-        return chunk.float()
-    return chunk.to(torch.float32, copy=True).div_(temperature)
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    """float32 for half/bfloat16/float32 logits, float64 for float64 logits."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _scaled(chunk: Tensor, temperature: float, *, owned: bool = False) -> Tensor:
+    """Upcast logits of one chunk divided by τ; a copy whenever it will be written to."""
+    dtype = _compute_dtype(chunk)
+    if temperature == 1.0 and not owned:
+        return chunk.to(dtype)
+    out = chunk.to(dtype, copy=True)
+    return out.div_(temperature) if temperature != 1.0 else out
 
 
 class _ChunkedLogprobsEntropy(torch.autograd.Function):
@@ -46,11 +54,10 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
         n = logits.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        logprobs = torch.empty(
-            n if labels is not None else 0, dtype=torch.float32, device=logits.device
-        )
-        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        like = {"dtype": _compute_dtype(logits), "device": logits.device}
+        lse = torch.empty(n, **like)
+        logprobs = torch.empty(n if labels is not None else 0, **like)
+        entropy = torch.empty(n if with_entropy else 0, **like)
         for start in range(0, n, rows_per_chunk):
             end = min(start + rows_per_chunk, n)
             z = _scaled(logits[start:end], temperature)
@@ -60,8 +67,9 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
                 picked = z.gather(1, labels[start:end].unsqueeze(1)).squeeze(1)
                 logprobs[start:end] = picked - chunk_lse
             if with_entropy:
-                p = torch.sub(z, chunk_lse.unsqueeze(1)).exp_()
-                entropy[start:end] = chunk_lse - torch.einsum("nv,nv->n", p, z)
+                # −Σ p·logp rather than lse − Σ p·z: no cancellation for peaked distributions.
+                log_p = torch.sub(z, chunk_lse.unsqueeze(1))
+                entropy[start:end] = -torch.einsum("nv,nv->n", log_p.exp(), log_p)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels if labels is not None else torch.empty(0), lse)
         ctx.has_labels = labels is not None
@@ -72,7 +80,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any, grad_logprobs: Tensor, grad_entropy: Tensor
+        ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
@@ -80,16 +88,15 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         use_ent = ctx.with_entropy and grad_entropy is not None
         for start in range(0, logits.shape[0], ctx.rows_per_chunk):
             end = min(start + ctx.rows_per_chunk, logits.shape[0])
-            # An owned float32 copy: the in-place steps below must never touch the input.
-            z = logits[start:end].to(torch.float32, copy=True)
-            if ctx.temperature != 1.0:
-                z.div_(ctx.temperature)
-            p = torch.sub(z, lse[start:end].unsqueeze(1)).exp_()
+            # An owned copy: the in-place steps below must never touch the input.
+            z = _scaled(logits[start:end], ctx.temperature, owned=True)
+            log_p = z.sub_(lse[start:end].unsqueeze(1))
+            p = log_p.exp()
             if use_ent:
-                mean_z = torch.einsum("nv,nv->n", p, z).unsqueeze(1)
-                g = z.sub_(mean_z).mul_(p).mul_(-grad_entropy[start:end].unsqueeze(1))
+                neg_entropy = torch.einsum("nv,nv->n", p, log_p).unsqueeze(1)
+                g = log_p.sub_(neg_entropy).mul_(p).mul_(-grad_entropy[start:end].unsqueeze(1))
             else:
-                g = z.zero_()
+                g = log_p.zero_()
             if use_lp:
                 g_lp = grad_logprobs[start:end].unsqueeze(1)
                 g.sub_(p.mul_(g_lp))
@@ -150,7 +157,7 @@ def logprobs_and_entropy(
         chunk_elements: Logits processed per chunk (memory knob, no effect on results).
 
     Returns:
-        (logprobs (...), entropy (...) or None), float32.
+        (logprobs (...), entropy (...) or None), float32 (float64 for float64 logits).
     """
     tau = _checks.positive("temperature", temperature)
     flat, flat_y = _flatten(logits, labels)
@@ -167,7 +174,7 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> Tensor:
-    """logp(y) = z_y/τ − logsumexp(z/τ). Shapes: logits (..., V), labels (...) → (...) float32."""
+    """logp(y) = z_y/τ − logsumexp(z/τ). Shapes: logits (..., V), labels (...) → (...)."""
     lp, _ = logprobs_and_entropy(
         logits, labels, temperature=temperature, with_entropy=False, chunk_elements=chunk_elements
     )
@@ -180,7 +187,7 @@ def entropy_from_logits(
     temperature: float = 1.0,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> Tensor:
-    """H = logsumexp(z/τ) − Σ softmax(z/τ)·z/τ. Shapes: logits (..., V) → (...) float32."""
+    """H = −Σ p·log p with p = softmax(z/τ). Shapes: logits (..., V) → (...)."""
     tau = _checks.positive("temperature", temperature)
     flat, _ = _flatten(logits, None)
     rows = _rows_per_chunk(flat.shape[1], chunk_elements)

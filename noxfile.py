@@ -31,8 +31,9 @@ CONSTRAINTS = ROOT / "constraints.txt"
 REPORTS = ROOT / ".ci-reports"
 LINT_TOOLS = ["ruff==0.17.6"]
 IMPORT_TOOLS = ["import-linter==2.17"]
+TYPECHECK_TOOLS = ["pyright==1.1.414"]
 
-nox.options.sessions = ["lint", "imports", "build", "tests"]
+nox.options.sessions = ["lint", "typecheck", "imports", "build", "tests"]
 nox.options.default_venv_backend = "virtualenv"
 nox.options.reuse_existing_virtualenvs = True
 
@@ -99,6 +100,15 @@ def lint(session: nox.Session) -> None:
     session.install(*LINT_TOOLS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """pyright (standard mode) over every member's sources, with their dependencies installed."""
+    session.install(*TYPECHECK_TOOLS)
+    session.install("-c", str(CONSTRAINTS), *(f"-e{path}" for path in MEMBERS.values()))
+    python = pathlib.Path(session.bin) / "python"
+    session.run("pyright", "--pythonpath", str(python), *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -79,26 +79,27 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(
+    def backward(  # pyright: ignore[reportIncompatibleMethodOverride]
         ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        use_lp = ctx.has_labels and grad_logprobs is not None
-        use_ent = ctx.with_entropy and grad_entropy is not None
+        # Grads of unused outputs arrive as None (materialisation is off).
+        g_lp_all = grad_logprobs if ctx.has_labels else None
+        g_ent_all = grad_entropy if ctx.with_entropy else None
         for start in range(0, logits.shape[0], ctx.rows_per_chunk):
             end = min(start + ctx.rows_per_chunk, logits.shape[0])
             # An owned copy: the in-place steps below must never touch the input.
             z = _scaled(logits[start:end], ctx.temperature, owned=True)
             log_p = z.sub_(lse[start:end].unsqueeze(1))
             p = log_p.exp()
-            if use_ent:
+            if g_ent_all is not None:
                 neg_entropy = torch.einsum("nv,nv->n", p, log_p).unsqueeze(1)
-                g = log_p.sub_(neg_entropy).mul_(p).mul_(-grad_entropy[start:end].unsqueeze(1))
+                g = log_p.sub_(neg_entropy).mul_(p).mul_(-g_ent_all[start:end].unsqueeze(1))
             else:
                 g = log_p.zero_()
-            if use_lp:
-                g_lp = grad_logprobs[start:end].unsqueeze(1)
+            if g_lp_all is not None:
+                g_lp = g_lp_all[start:end].unsqueeze(1)
                 g.sub_(p.mul_(g_lp))
                 g.scatter_add_(1, labels[start:end].unsqueeze(1), g_lp)
             if ctx.temperature != 1.0:

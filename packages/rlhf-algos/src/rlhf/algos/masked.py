@@ -5,7 +5,7 @@ A fully masked row or batch never yields NaN: its sum is 0 and its mean is defin
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -44,7 +44,8 @@ def masked_mean(values: Tensor, mask: Tensor, *, dim: int | None = None) -> Tens
     return total / count.clamp(min=1.0)
 
 
-class WhitenStats(NamedTuple):
+@dataclass(frozen=True)
+class WhitenStats:
     """Sufficient statistics of a masked whitening, summable across data-parallel ranks.
 
     Attributes:
@@ -59,7 +60,7 @@ class WhitenStats(NamedTuple):
 
 
 def whiten_stats(values: Tensor, mask: Tensor) -> WhitenStats:
-    """Local sums for `masked_whiten`; all-reduce (sum) them to whiten over a global batch.
+    """Local sums for `masked_whiten`; all-reduce (sum) each field to whiten a global batch.
 
     Args:
         values: (B, T) float.

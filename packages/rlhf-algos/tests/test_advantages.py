@@ -53,10 +53,13 @@ def test_reinforce_whitens_by_default() -> None:
     assert adv[0, 0].item() == pytest.approx((0.5 - mu) / math.sqrt(var), abs=1e-12)
 
 
-def test_reinforce_baseline_subtracts_group_mean_then_whitens() -> None:
-    # Group [3, 1] → [1, −1] on each sample's single action token; whitening leaves ±1.
-    adv = run("reinforce_baseline", [3.0, 1.0], [[1, 0], [1, 0]], n=2, gamma=0.5)
-    torch.testing.assert_close(adv, t([[1.0, 0.0], [-1.0, 0.0]]))
+def test_reinforce_baseline_subtracts_group_mean_then_whitens_with_unit_gamma() -> None:
+    # Group [3, 1] → [1, −1]; with γ forced to 1 every action token carries it:
+    # raw = [[1, 1, 1], [−1, ·, ·]] (γ = 0.5 would give [0.25, 0.5, 1] on row 0).
+    # Whitening over the 4 valid tokens: μ = 0.5, σ² = (3·0.25 + 2.25)/4 = 0.75.
+    adv = run("reinforce_baseline", [3.0, 1.0], [[1, 1, 1], [1, 0, 0]], n=2, gamma=0.5)
+    sigma = 0.75**0.5
+    torch.testing.assert_close(adv, t([[0.5 / sigma] * 3, [-1.5 / sigma, 0.0, 0.0]]))
 
 
 def test_rloo_broadcasts_to_every_action_token_with_unit_gamma() -> None:
@@ -74,9 +77,35 @@ def test_group_norm_and_its_alias() -> None:
         )
 
 
-def test_group_norm_of_identical_rewards_is_zero_not_nan() -> None:
-    adv = run("group_norm", [1.0, 1.0, 1.0], [[1], [1], [1]], n=3)
-    torch.testing.assert_close(adv, torch.zeros(3, 1, dtype=F64))
+@pytest.mark.parametrize("value", [0.1, 0.3, 0.7, 0.9, 1.0])
+@pytest.mark.parametrize("n", [3, 5, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_identical_rewards_in_a_group_give_exactly_zero(value, n, dtype) -> None:
+    # (R − mean)/std of a constant group is 0/0 → 0; in float32 the naive computation leaves a
+    # rounding residue in both and returns ±sqrt((n − 1)/n).
+    rewards = torch.full((n,), value, dtype=dtype)
+    for name in ("group_norm", "dr_grpo", "rloo", "reinforce_baseline"):
+        out = compute_advantages(
+            config=AdvantageConfig(estimator=name),
+            rewards=rewards,
+            action_mask=torch.ones(n, 2),
+            n_samples_per_prompt=n,
+        )
+        assert (out.advantages == 0).all(), (name, out.advantages)
+
+
+def test_advantages_carry_no_gradient_even_from_a_kl_with_gradient() -> None:
+    lp = torch.randn(2, 3, dtype=F64, requires_grad=True)
+    out = compute_advantages(
+        config=AdvantageConfig(estimator="reinforce"),
+        rewards=torch.tensor([1.0, 0.0], dtype=F64, requires_grad=True),
+        action_mask=torch.ones(2, 3),
+        kl=lp * 2,
+        kl_coef=0.1,
+    )
+    assert not out.advantages.requires_grad
+    assert not out.returns.requires_grad
+    assert not out.token_rewards.requires_grad
 
 
 def test_dr_grpo_has_no_std_and_no_whitening() -> None:

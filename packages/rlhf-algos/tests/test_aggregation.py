@@ -72,7 +72,7 @@ def test_bad_inputs() -> None:
         aggregate_loss(LOSS, MASK[:, :2], mode="token-mean")
     with pytest.raises(ValueError, match="loss must have 2 dimensions"):
         aggregate_loss(LOSS[0], MASK[0], mode="token-mean")
-    with pytest.raises(ValueError, match="normalizer must be a non-negative count"):
+    with pytest.raises(ValueError, match="normalizer must be a finite non-negative count"):
         aggregate_loss(LOSS, MASK, mode="token-mean", normalizer=-1.0)
 
 
@@ -115,3 +115,24 @@ def test_padding_columns_do_not_change_the_result(mode, extra, seed) -> None:
         aggregate_loss(padded_loss, padded_mask, mode=mode, max_len=4),
         aggregate_loss(LOSS, MASK, mode=mode, max_len=4),
     )
+
+
+def test_half_precision_sums_and_counts_stay_exact() -> None:
+    # 70 000 valid float16 tokens: the count overflows float16 (max 65504) if kept there.
+    loss = torch.full((7, 10000), 0.5, dtype=torch.float16)
+    mask = torch.ones(7, 10000)
+    assert aggregate_loss(loss, mask, mode="token-mean").item() == pytest.approx(0.5)
+    # A global normaliser beyond float16's range: this micro-batch's share is 35000/100000.
+    assert aggregate_loss(
+        loss, mask, mode="token-mean", normalizer=100000.0
+    ).item() == pytest.approx(0.35)
+    # 1001 tokens: bfloat16 would round the count to 1000.
+    m = torch.ones(1, 1001, dtype=torch.bfloat16)
+    assert loss_normalizer(m, mode="token-mean").item() == 1001
+
+
+def test_mask_entries_count_iff_positive() -> None:
+    loss = torch.tensor([[1.0, 3.0, 5.0]], dtype=F64)
+    assert aggregate_loss(
+        loss, torch.tensor([[2, -1, 1]]), mode="token-mean"
+    ).item() == pytest.approx(3.0)

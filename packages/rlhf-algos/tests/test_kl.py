@@ -142,3 +142,33 @@ def test_config_errors() -> None:
         KLConfig(controller="pid")
     with pytest.raises(ValueError, match="kl.init_coef must be a finite number >= 0"):
         KLConfig(init_coef=-0.1)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_nan_in_masked_positions_does_not_reach_the_gradient(estimator) -> None:
+    lp = torch.tensor([[0.5, float("nan")]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[0.0, float("nan")]], dtype=F64)
+    out = kl_penalty(
+        logprobs=lp, ref_logprobs=ref, action_mask=torch.tensor([[1, 0]]), estimator=estimator
+    )
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(lp.grad).all()
+    assert lp.grad[0, 1] == 0
+
+
+def test_k3_in_float16_is_finite() -> None:
+    out = kl_penalty(
+        logprobs=torch.tensor([[-16.0]], dtype=torch.float16),
+        ref_logprobs=torch.tensor([[-1.0]], dtype=torch.float16),
+        action_mask=torch.ones(1, 1),
+        estimator="k3",
+    )
+    # x = −15: e^15 − 1 − 15 = 3269001.37, finite in float32.
+    assert out.dtype == torch.float32
+    assert out.item() == pytest.approx(3269001.37, rel=1e-6)
+
+
+def test_adaptive_controller_rejects_a_zero_target() -> None:
+    with pytest.raises(ValueError, match="target must be > 0"):
+        AdaptiveKLController(init_coef=0.1, target=0.0, horizon=10)

@@ -139,3 +139,36 @@ def test_bad_labels_and_shapes() -> None:
         logprobs_from_logits(logits, labels, temperature=0.0)
     with pytest.raises(ValueError, match="logits must be a floating-point tensor"):
         entropy_from_logits(labels)
+
+
+def test_minus_inf_logits_give_finite_entropy_and_gradient() -> None:
+    # Masked vocabulary: softmax over the two finite logits is [0.5, 0.5] → H = log 2.
+    logits = torch.tensor([[[0.0, 0.0, float("-inf")]]], requires_grad=True)
+    lp, ent = logprobs_and_entropy(logits, torch.tensor([[1]]))
+    assert ent.item() == pytest.approx(0.6931472, abs=1e-6)
+    assert lp.item() == pytest.approx(-0.6931472, abs=1e-6)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[0, 0, 2] == 0
+
+
+def test_double_backward_is_refused_clearly() -> None:
+    logits, labels = sample()
+    x = logits.clone().requires_grad_()
+    lp = logprobs_from_logits(x, labels)
+    (g,) = torch.autograd.grad(lp.sum(), x, create_graph=True)
+    # once_differentiable: the first-order gradient carries no graph, so a second backward is
+    # refused up front instead of silently returning a wrong second derivative.
+    assert g.grad_fn is None
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        g.sum().backward()
+
+
+def test_more_bad_inputs() -> None:
+    logits, labels = sample()
+    with pytest.raises(ValueError, match="V >= 1"):
+        logprobs_from_logits(torch.zeros(2, 3, 0), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_elements must be >= 1"):
+        logprobs_from_logits(logits, labels, chunk_elements=2.5)
+    out = logprobs_from_logits(logits, labels.to(torch.int8))
+    torch.testing.assert_close(out, logprobs_from_logits(logits, labels))

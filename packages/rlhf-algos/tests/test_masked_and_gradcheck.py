@@ -114,3 +114,19 @@ def test_reward_model_gradcheck() -> None:
         return reward_model_loss(chosen_rewards=c, rejected_rewards=r, margin=margin)[0]
 
     assert torch.autograd.gradcheck(f, (chosen, rejected))
+
+
+def test_value_loss_nan_in_masked_positions_does_not_reach_the_gradient() -> None:
+    mask = torch.tensor([[1, 0]])
+    nan = float("nan")
+    values = torch.tensor([[1.0, nan]], dtype=F64, requires_grad=True)
+    loss, _ = clipped_value_loss(
+        values=values,
+        old_values=torch.tensor([[0.0, nan]], dtype=F64),
+        returns=torch.tensor([[2.0, nan]], dtype=F64),
+        action_mask=mask,
+        clip_eps=0.5,
+    )
+    loss.sum().backward()
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.0]], dtype=F64))

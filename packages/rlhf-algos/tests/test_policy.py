@@ -269,13 +269,17 @@ def test_fully_masked_batch_gives_zero_loss_and_finite_gradient(name) -> None:
 def test_policy_losses_gradcheck_in_float64(name) -> None:
     gen = torch.Generator().manual_seed(0)
     old = torch.randn(2, 4, generator=gen, dtype=F64)
-    # Ratios well inside (or outside) the clip range so the loss is smooth at the probe point.
-    lp = (old + 0.05 * torch.randn(2, 4, generator=gen, dtype=F64)).requires_grad_()
-    adv = torch.randn(2, 4, generator=gen, dtype=F64)
+    # Ratios away from the kinks at 1 ± ε: inside (1.05, 0.97) and beyond (1.5, 0.5) the clip
+    # range, with both advantage signs, so both branches of the surrogate are probed.
+    ratios = t([[1.05, 1.5, 0.5, 0.97], [1.5, 0.5, 1.02, 1.0]])
+    lp = (old + ratios.log()).requires_grad_()
+    adv = t([[1.0, 1.0, -1.0, -0.5], [-1.0, 1.0, 0.3, 2.0]])
     if name == "gspo":
         # The stop-gradient token form equals the sequence objective's gradient only when the
-        # advantage is constant over each sequence (the GSPO setting), so probe it there.
+        # advantage is constant over each sequence (the GSPO setting), so probe it there, with
+        # a sequence ratio inside the range (row 1) and one beyond it (row 0).
         adv = adv[:, :1].expand(2, 4)
+        lp = (old + t([[0.6, 0.5, 0.4, 9.0], [0.01, -0.02, 0.0, 0.0]])).requires_grad_()
     mask = t([[1, 1, 1, 0], [1, 1, 0, 0]])
 
     def f(x: torch.Tensor) -> torch.Tensor:
@@ -288,3 +292,59 @@ def test_policy_losses_gradcheck_in_float64(name) -> None:
         )[0]
 
     assert torch.autograd.gradcheck(f, (lp,))
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
+def test_nan_in_masked_positions_reaches_neither_loss_nor_gradient(name) -> None:
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    nan = torch.tensor(float("nan"), dtype=F64)
+    lp = torch.where(mask > 0, torch.randn(2, 3, dtype=F64) * 0.1 - 1, nan).requires_grad_()
+    old = torch.where(mask > 0, torch.randn(2, 3, dtype=F64) * 0.1 - 1, nan)
+    adv = torch.where(mask > 0, torch.randn(2, 3, dtype=F64), nan)
+    loss, metrics = policy_loss(
+        logprobs=lp,
+        old_logprobs=old,
+        advantages=adv,
+        action_mask=mask,
+        config=PolicyLossConfig(name=name),
+        rollout_logprobs=old,
+        rollout_correction=RolloutCorrectionConfig(level="geometric", mode="mask"),
+    )
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(lp.grad).all()
+    assert (lp.grad[mask == 0] == 0).all()
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
+def test_half_precision_large_log_ratio_stays_finite(name, dtype) -> None:
+    # exp(15) overflows float16 (max 65504); the losses compute ratios in float32. PPO runs with
+    # dual-clip: without it the true gradient for A < 0 (ρ ≈ 3.3e6) is not representable in
+    # float16 at all.
+    lp = torch.tensor([[-1.0, -2.0]], dtype=dtype, requires_grad=True)
+    old = torch.tensor([[-16.0, -2.0]], dtype=dtype)
+    config = PolicyLossConfig(name=name, dual_clip=3.0 if name == "ppo" else None)
+    for a in (-1.0, 0.0, 1.0):
+        loss, metrics = policy_loss(
+            logprobs=lp,
+            old_logprobs=old,
+            advantages=torch.full((1, 2), a, dtype=dtype),
+            action_mask=torch.ones(1, 2),
+            config=config,
+        )
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(loss), (a, loss)
+        assert torch.isfinite(grad).all(), (a, grad)
+        assert all(torch.isfinite(v) for v in metrics.values()), metrics
+
+
+def test_half_precision_correction_weights_are_finite() -> None:
+    w, _ = rollout_correction_weights(
+        old_logprobs=torch.tensor([[15.0, 0.0]], dtype=torch.float16),
+        rollout_logprobs=torch.zeros(1, 2, dtype=torch.float16),
+        action_mask=torch.ones(1, 2),
+        config=RolloutCorrectionConfig(mode="mask"),
+    )
+    torch.testing.assert_close(w, torch.tensor([[0.0, 1.0]]))

@@ -55,6 +55,8 @@ def test_clip_rewards() -> None:
     )
     with pytest.raises(ValueError, match="clip_range must satisfy low <= high"):
         clip_rewards(t([1.0]), clip_range=(1.0, -1.0))
+    with pytest.raises(ValueError, match="clip_range must not contain NaN"):
+        clip_rewards(t([1.0]), clip_range=(float("nan"), 1.0))
 
 
 def test_overlong_penalty_is_linear_inside_the_buffer() -> None:
@@ -82,6 +84,8 @@ def test_stop_properly_penalty_scales_or_replaces() -> None:
     )
     with pytest.raises(ValueError, match="coef must be in \\[0, 1\\]"):
         stop_properly_penalty(rewards, truncated=truncated, coef=2.0)
+    with pytest.raises(ValueError, match="truncated must be a bool tensor"):
+        stop_properly_penalty(rewards, truncated=torch.tensor([0.5, 0.0]), coef=0.5)
 
 
 def test_overlong_filter_mask_zeroes_truncated_rows() -> None:

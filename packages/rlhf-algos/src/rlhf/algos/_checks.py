@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 
@@ -39,7 +40,11 @@ def same_shape(reference: str, ref: Tensor, **others: Tensor | None) -> None:
 
 
 def mask(name: str, value: object, *, like: Tensor, like_name: str) -> Tensor:
-    """A 0/1 mask (bool, integer or float) with the shape of ``like``, as ``like``'s dtype."""
+    """A mask with the shape of ``like`` as exact 0/1 values of ``like``'s dtype.
+
+    Bool, integer or float masks are accepted; an entry counts as valid iff it is > 0, the same
+    rule for numerators and counts (checking for exact 0/1 would cost a device sync).
+    """
     m = tensor(name, value)
     if m.shape != like.shape:
         raise ValueError(
@@ -48,7 +53,24 @@ def mask(name: str, value: object, *, like: Tensor, like_name: str) -> Tensor:
         )
     if m.is_complex():
         raise ValueError(f"{name} must be bool, integer or float 0/1, got dtype {m.dtype}")
-    return m.to(like.dtype)
+    return (m > 0).to(like.dtype)
+
+
+def upcast(x: Tensor) -> Tensor:
+    """float16/bfloat16 → float32 (ratios and exponentials overflow float16 near exp(11))."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def zero_masked(x: Tensor, m: Tensor) -> Tensor:
+    """``x`` with masked entries replaced by 0, so NaN/inf there cannot reach any gradient."""
+    return torch.where(m > 0, x, torch.zeros_like(x))
+
+
+def count(name: str, value: object) -> int:
+    """A non-negative int (not bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
 
 
 def group_size(name: str, n: int, *, batch: int) -> None:
@@ -68,6 +90,8 @@ def interval(name: str, value: Sequence[float], *, strict: bool = False) -> tupl
         low, high = (float(v) for v in value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a (low, high) pair, got {value!r}") from None
+    if math.isnan(low) or math.isnan(high):
+        raise ValueError(f"{name} must not contain NaN, got {value!r}")
     if low > high or (strict and low == high):
         raise ValueError(f"{name} must satisfy low {'<' if strict else '<='} high, got {value!r}")
     return low, high

@@ -36,55 +36,63 @@ GROUP_BASELINES: Registry[GroupBaseline] = Registry("group baseline")
 
 
 def _groups(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """(P, n) float64 groups, each shifted by its first member.
+
+    Every baseline here is shift-invariant, and the shift makes a group of identical rewards
+    exactly zero (in float32, R − mean(R) is off by one rounding step and the std is that same
+    tiny number, which would turn their ratio into ±sqrt((n − 1)/n) instead of 0).
+    """
     r = _checks.floating("rewards", rewards, ndim=1)
     _checks.group_size("n_samples_per_prompt", n_samples_per_prompt, batch=r.shape[0])
-    return r.view(-1, n_samples_per_prompt)
+    g = r.detach().to(torch.float64).view(-1, n_samples_per_prompt)
+    return g - g[:, :1]
 
 
 @GROUP_BASELINES.register("none")
 def no_baseline(rewards: Tensor, *, n_samples_per_prompt: int) -> Tensor:
     """R unchanged (PPO with a critic, REINFORCE++). Shapes: (B,) → (B,)."""
     _groups(rewards, n_samples_per_prompt)
-    return rewards
+    return rewards.detach()
 
 
 @GROUP_BASELINES.register("mean")
 def mean_baseline(rewards: Tensor, *, n_samples_per_prompt: int) -> Tensor:
     """R − mean(R) within each prompt group (REINFORCE++-baseline, Dr. GRPO). (B,) → (B,)."""
     g = _groups(rewards, n_samples_per_prompt)
-    return (g - g.mean(dim=1, keepdim=True)).reshape(-1)
+    return (g - g.mean(dim=1, keepdim=True)).reshape(-1).to(rewards.dtype)
 
 
 @GROUP_BASELINES.register("leave_one_out")
 def leave_one_out_baseline(rewards: Tensor, *, n_samples_per_prompt: int) -> Tensor:
     """RLOO (arXiv 2402.14740): R − (ΣR − R)/(n − 1). Needs n >= 2. (B,) → (B,)."""
+    g = _groups(rewards, n_samples_per_prompt)
     if n_samples_per_prompt < 2:
         raise ValueError(
             f"n_samples_per_prompt must be >= 2 for a leave-one-out baseline, "
             f"got {n_samples_per_prompt}"
         )
-    g = _groups(rewards, n_samples_per_prompt)
     others = (g.sum(dim=1, keepdim=True) - g) / (n_samples_per_prompt - 1)
-    return (g - others).reshape(-1)
+    return (g - others).reshape(-1).to(rewards.dtype)
 
 
 @GROUP_BASELINES.register("group_norm")
 def group_norm_baseline(rewards: Tensor, *, n_samples_per_prompt: int) -> Tensor:
     """GRPO (arXiv 2402.03300): (R − mean) / (std + 1e-9), std unbiased (n − 1). (B,) → (B,).
 
-    A group whose rewards are all equal gets 0 (numerator 0). Needs n >= 2.
+    A group whose rewards are all equal gets exactly 0. Computed in float64. Needs n >= 2.
     """
+    g = _groups(rewards, n_samples_per_prompt)
     if n_samples_per_prompt < 2:
         raise ValueError(
             f"n_samples_per_prompt must be >= 2 for group normalisation, got {n_samples_per_prompt}"
         )
-    g = _groups(rewards, n_samples_per_prompt)
     std = g.std(dim=1, keepdim=True, unbiased=True)
-    return ((g - g.mean(dim=1, keepdim=True)) / (std + GROUP_STD_EPS)).reshape(-1)
+    out = (g - g.mean(dim=1, keepdim=True)) / (std + GROUP_STD_EPS)
+    return out.reshape(-1).to(rewards.dtype)
 
 
 def _token_inputs(token_rewards: Tensor, action_mask: Tensor) -> tuple[Tensor, Tensor]:
-    r = _checks.floating("token_rewards", token_rewards, ndim=2)
+    r = _checks.floating("token_rewards", token_rewards, ndim=2).detach()
     m = _checks.mask("action_mask", action_mask, like=r, like_name="token_rewards")
     return r, m
 
@@ -269,13 +277,15 @@ def compute_advantages(
         kl: (B, T) per-token KL to the reference for KL-in-reward, or None.
         kl_coef: β for KL-in-reward (0 when the KL is a loss term).
         token_rewards: (B, T) extra per-token rewards, or None.
-        whiten_stats: Global whitening statistics when the step's batch is split across ranks.
+        whiten_stats: Global whitening statistics when the step's batch is split across ranks:
+            the sums of `whiten_stats` of the *unwhitened* advantages (a first call with
+            ``whiten=False`` on each rank gives them). None whitens over this batch.
 
     Returns:
-        `Advantages` with (B, T) tensors.
+        `Advantages` with (B, T) tensors, all without gradient (inputs are detached).
     """
     spec = ADVANTAGE_ESTIMATORS.get(config.estimator)
-    r = _checks.floating("rewards", rewards, ndim=1)
+    r = _checks.floating("rewards", rewards, ndim=1).detach()
     _checks.group_size("n_samples_per_prompt", n_samples_per_prompt, batch=r.shape[0])
     scalar = GROUP_BASELINES.get(spec.baseline)(r, n_samples_per_prompt=n_samples_per_prompt)
     scalar = clip_rewards(scalar, clip_range=config.reward_clip)

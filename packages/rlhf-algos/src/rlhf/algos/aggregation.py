@@ -17,11 +17,15 @@ Modes (ℓ per-token loss, m mask, S the sequences with at least one valid token
   sequences (empty ones included, so the normaliser is a constant) and L_max a constant.
 
 Empty sequences are excluded from |S| (as verl does), so a fully masked sequence contributes 0
-and never a NaN.
+and never a NaN. A sequence is a row: unpack padding-free packed batches (several samples in one
+row) into rows before aggregating, or the ``seq-mean-*`` modes count a packed row as one
+sequence. Half-precision losses are summed in float32 and normalisers are float64 counts, so the
+result stays exact for any token count; the share is returned in float32 for half inputs.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,7 +89,7 @@ AGGREGATIONS.register("seq-mean-token-sum-norm")(
 
 
 def _inputs(loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    ell = _checks.floating("loss", loss, ndim=2)
+    ell = _checks.upcast(_checks.floating("loss", loss, ndim=2))
     return ell, _checks.mask("mask", mask, like=ell, like_name="loss")
 
 
@@ -101,13 +105,13 @@ def loss_normalizer(mask: Tensor, *, mode: str, max_len: int | None = None) -> T
         max_len: L_max for ``seq-mean-token-sum-norm``.
 
     Returns:
-        0-dim float tensor (a count), no gradient.
+        0-dim float64 tensor (an exact count), no gradient.
     """
     m = _checks.tensor("mask", mask)
     if m.ndim != 2:
         raise ValueError(f"mask must have shape (B, T), got {tuple(m.shape)}")
     agg = AGGREGATIONS.get(mode)
-    return agg.normalizer(m.detach().to(torch.float32), max_len)
+    return agg.normalizer((m.detach() > 0).to(torch.float64), max_len)
 
 
 def aggregate_loss(
@@ -125,7 +129,8 @@ def aggregate_loss(
         mask: (B, T) 0/1 validity mask (positions outside it contribute nothing, even NaN).
         mode: Name in `AGGREGATIONS`.
         normalizer: The global normaliser (sum of `loss_normalizer` over the global batch); None
-            treats this batch as the whole batch.
+            treats this batch as the whole batch. A tensor is not checked for sign or NaN (that
+            would cost a device sync).
         max_len: L_max for ``seq-mean-token-sum-norm``.
 
     Returns:
@@ -134,12 +139,17 @@ def aggregate_loss(
     ell, m = _inputs(loss, mask)
     agg = AGGREGATIONS.get(mode)
     if normalizer is None:
-        normalizer = agg.normalizer(m.detach(), max_len)
-    elif isinstance(normalizer, int | float) and not normalizer >= 0:
-        raise ValueError(f"normalizer must be a non-negative count, got {normalizer!r}")
-    denom = torch.as_tensor(normalizer, dtype=ell.dtype, device=ell.device)
+        normalizer = agg.normalizer(m.detach().to(torch.float64), max_len)
+    elif isinstance(normalizer, bool) or not isinstance(normalizer, int | float | Tensor):
+        raise ValueError(f"normalizer must be a number or a 0-dim tensor, got {normalizer!r}")
+    elif isinstance(normalizer, int | float) and not (
+        math.isfinite(normalizer) and normalizer >= 0
+    ):
+        raise ValueError(f"normalizer must be a finite non-negative count, got {normalizer!r}")
+    denom = torch.as_tensor(normalizer, device=ell.device)
     if denom.ndim != 0:
         raise ValueError(f"normalizer must be a scalar, got shape {tuple(denom.shape)}")
+    denom = denom.to(ell.dtype)
     num = agg.numerator(ell, m)
     # where() instead of a Python branch: no device sync on the hot path.
     return torch.where(denom > 0, num / denom.clamp(min=torch.finfo(ell.dtype).tiny), num * 0.0)

@@ -98,15 +98,15 @@ def rollout_correction_weights(
         config: Level, mode and threshold.
 
     Returns:
-        (weights (B, T) detached and 0 outside the mask, metrics).
+        (weights (B, T) detached and 0 outside the mask, float32 for half inputs; metrics).
     """
     old = _checks.floating("old_logprobs", old_logprobs, ndim=2)
     rollout = _checks.floating("rollout_logprobs", rollout_logprobs)
     _checks.same_shape("old_logprobs", old, rollout_logprobs=rollout)
     m = _checks.mask("action_mask", action_mask, like=old, like_name="old_logprobs")
     low, high = config.threshold
-    delta = (old.detach() - rollout.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    delta = torch.where(m > 0, delta, torch.zeros_like(delta))
+    delta = _checks.upcast(old.detach()) - _checks.upcast(rollout.detach())
+    delta = _checks.zero_masked(delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), m)
     statistic = CORRECTION_LEVELS.get(config.level)(delta, m)
     inside = (statistic >= low) & (statistic <= high)
     if config.mode == "truncate":

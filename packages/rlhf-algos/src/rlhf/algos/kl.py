@@ -67,14 +67,15 @@ def kl_penalty(
         estimator: Name in `KL_ESTIMATORS`.
 
     Returns:
-        (B, T).
+        (B, T), float32 for half-precision inputs.
     """
     lp = _checks.floating("logprobs", logprobs, ndim=2)
     ref = _checks.floating("ref_logprobs", ref_logprobs)
     _checks.same_shape("logprobs", lp, ref_logprobs=ref)
     m = _checks.mask("action_mask", action_mask, like=lp, like_name="logprobs")
-    kl = KL_ESTIMATORS.get(estimator)(lp - ref.detach())
-    return torch.where(m > 0, kl, torch.zeros_like(kl))
+    log_ratio = _checks.upcast(lp) - _checks.upcast(ref.detach())
+    # Masked entries are zeroed before the estimator so a NaN there cannot reach a gradient.
+    return _checks.zero_masked(KL_ESTIMATORS.get(estimator)(_checks.zero_masked(log_ratio, m)), m)
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,8 @@ class AdaptiveKLController:
     """Proportional controller of Ziegler et al. (arXiv 1909.08593)."""
 
     def __init__(self, *, init_coef: float, target: float, horizon: int) -> None:
+        if not target > 0 or horizon < 1:
+            raise ValueError(f"target must be > 0 and horizon >= 1, got {target} and {horizon}")
         self.value = float(init_coef)
         self.target = float(target)
         self.horizon = int(horizon)

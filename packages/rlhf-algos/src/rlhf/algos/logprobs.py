@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from rlhf.algos import _checks
 
@@ -68,7 +69,8 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
                 logprobs[start:end] = picked - chunk_lse
             if with_entropy:
                 # −Σ p·logp rather than lse − Σ p·z: no cancellation for peaked distributions.
-                log_p = torch.sub(z, chunk_lse.unsqueeze(1))
+                # −inf logits (masked vocabulary) give p = 0: keep 0·log p at 0, not NaN.
+                log_p = torch.sub(z, chunk_lse.unsqueeze(1)).clamp_(min=torch.finfo(z.dtype).min)
                 entropy[start:end] = -torch.einsum("nv,nv->n", log_p.exp(), log_p)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels if labels is not None else torch.empty(0), lse)
@@ -79,6 +81,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(  # pyright: ignore[reportIncompatibleMethodOverride]
         ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
@@ -91,7 +94,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             end = min(start + ctx.rows_per_chunk, logits.shape[0])
             # An owned copy: the in-place steps below must never touch the input.
             z = _scaled(logits[start:end], ctx.temperature, owned=True)
-            log_p = z.sub_(lse[start:end].unsqueeze(1))
+            log_p = z.sub_(lse[start:end].unsqueeze(1)).clamp_(min=torch.finfo(z.dtype).min)
             p = log_p.exp()
             if g_ent_all is not None:
                 neg_entropy = torch.einsum("nv,nv->n", p, log_p).unsqueeze(1)
@@ -110,13 +113,13 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
 
 def _flatten(logits: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor | None]:
     z = _checks.floating("logits", logits)
-    if z.ndim < 2:
-        raise ValueError(f"logits must have shape (..., V), got {tuple(z.shape)}")
+    if z.ndim < 2 or z.shape[-1] < 1:
+        raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(z.shape)}")
     flat = z.reshape(-1, z.shape[-1])
     if labels is None:
         return flat, None
     y = _checks.tensor("labels", labels)
-    if y.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ValueError(f"labels must be an integer tensor, got dtype {y.dtype}")
     if y.shape != z.shape[:-1]:
         raise ValueError(
@@ -134,7 +137,11 @@ def _flatten(logits: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor | No
 
 
 def _rows_per_chunk(vocab: int, chunk_elements: int) -> int:
-    if chunk_elements < 1:
+    if (
+        isinstance(chunk_elements, bool)
+        or not isinstance(chunk_elements, int)
+        or chunk_elements < 1
+    ):
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
     return max(1, chunk_elements // vocab)
 
@@ -152,7 +159,9 @@ def logprobs_and_entropy(
     Args:
         logits: (..., V), e.g. (B, T, V), any float dtype; the chunks are upcast to float32.
         labels: (...) integer ids in [0, V), aligned with ``logits`` (shift them yourself: the
-            logits at position t score the token at t + 1).
+            logits at position t score the token at t + 1). Prefer shifting the labels of the
+            full, contiguous logits (``torch.roll`` and mask the last position) over slicing
+            ``logits[:, :-1]``: a non-contiguous slice is copied once to be flattened.
         temperature: τ > 0, the sampling temperature the rollout used.
         with_entropy: Also return the entropy.
         chunk_elements: Logits processed per chunk (memory knob, no effect on results).

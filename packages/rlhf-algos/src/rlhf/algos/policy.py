@@ -77,6 +77,19 @@ def _log_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
     return (logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def _inputs(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Upcast half precision (exp of a ratio overflows float16) and zero masked entries so a
+    NaN/inf there reaches neither the loss nor any gradient."""
+    m = action_mask
+    return (
+        _checks.zero_masked(_checks.upcast(logprobs), m),
+        _checks.zero_masked(_checks.upcast(old_logprobs.detach()), m),
+        _checks.zero_masked(_checks.upcast(advantages.detach()), m),
+    )
+
+
 def _clipped_surrogate(
     ratio: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -112,6 +125,7 @@ def ppo_clip_loss(
     config: PolicyLossConfig,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric ε and optional dual-clip; all tensors (B, T)."""
+    logprobs, old_logprobs, advantages = _inputs(logprobs, old_logprobs, advantages, action_mask)
     log_ratio = _log_ratio(logprobs, old_logprobs)
     loss, metrics = _clipped_surrogate(torch.exp(log_ratio), advantages, action_mask, config)
     return loss, {**metrics, **_ratio_metrics(log_ratio.detach(), action_mask)}
@@ -127,6 +141,7 @@ def gspo_loss(
     config: PolicyLossConfig,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO in the stop-gradient token form; all tensors (B, T)."""
+    logprobs, old_logprobs, advantages = _inputs(logprobs, old_logprobs, advantages, action_mask)
     log_ratio = _log_ratio(logprobs, old_logprobs)
     seq_log_ratio = masked_mean(log_ratio, action_mask, dim=1).unsqueeze(1)
     token_log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
@@ -146,6 +161,7 @@ def cispo_loss(
     config: PolicyLossConfig,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: REINFORCE with a detached, clipped importance weight; all tensors (B, T)."""
+    logprobs, old_logprobs, advantages = _inputs(logprobs, old_logprobs, advantages, action_mask)
     log_ratio = _log_ratio(logprobs, old_logprobs).detach()
     ratio = torch.exp(log_ratio)
     low, high = 1.0 - config.cispo_eps_low, 1.0 + config.cispo_eps_high

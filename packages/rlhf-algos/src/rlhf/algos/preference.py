@@ -16,6 +16,7 @@ All losses are means over pairs; pass the global pair count as ``normalizer`` un
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -47,8 +48,13 @@ def ipo_preference(z: Tensor, *, beta: float, label_smoothing: float) -> Tensor:
 
 
 def _pair_mean(per_pair: Tensor, normalizer: float | Tensor | None) -> Tensor:
-    denom = per_pair.shape[0] if normalizer is None else normalizer
-    return per_pair.sum() / torch.as_tensor(denom, dtype=per_pair.dtype).clamp(min=1.0)
+    if normalizer is None:
+        normalizer = max(per_pair.shape[0], 1)
+    elif isinstance(normalizer, int | float) and not (math.isfinite(normalizer) and normalizer > 0):
+        raise ValueError(f"normalizer must be a positive pair count, got {normalizer!r}")
+    return per_pair.sum() / torch.as_tensor(
+        normalizer, dtype=per_pair.dtype, device=per_pair.device
+    )
 
 
 def _pairs(**tensors: Tensor | None) -> Tensor:

@@ -67,9 +67,10 @@ def shape_token_rewards(
             the last token of each turn), or None.
 
     Returns:
-        (B, T) float, same dtype as ``rewards``; 0 outside the action mask.
+        (B, T) float, same dtype as ``rewards``; 0 outside the action mask; no gradient (the
+        inputs, a KL estimate computed with gradient included, are detached).
     """
-    r = _checks.floating("rewards", rewards, ndim=1)
+    r = _checks.floating("rewards", rewards, ndim=1).detach()
     m_raw = _checks.tensor("action_mask", action_mask)
     if m_raw.ndim != 2 or m_raw.shape[0] != r.shape[0]:
         raise ValueError(
@@ -82,11 +83,11 @@ def shape_token_rewards(
     if kl is not None and beta > 0:
         k = _checks.floating("kl", kl)
         _checks.same_shape("action_mask", m, kl=k)
-        out = out - beta * torch.where(m > 0, k.to(r.dtype), torch.zeros_like(out))
+        out = out - beta * torch.where(m > 0, k.detach().to(r.dtype), torch.zeros_like(out))
     if token_rewards is not None:
         extra = _checks.floating("token_rewards", token_rewards)
         _checks.same_shape("action_mask", m, token_rewards=extra)
-        out = out + torch.where(m > 0, extra.to(r.dtype), torch.zeros_like(out))
+        out = out + torch.where(m > 0, extra.detach().to(r.dtype), torch.zeros_like(out))
     last = last_action_index(m)
     has_action = last >= 0
     rows = torch.arange(r.shape[0], device=r.device)[has_action]
@@ -144,6 +145,8 @@ def stop_properly_penalty(rewards: Tensor, *, truncated: Tensor, coef: float) ->
     r = _checks.floating("rewards", rewards, ndim=1)
     t = _checks.tensor("truncated", truncated)
     _checks.same_shape("rewards", r, truncated=t)
+    if t.dtype != torch.bool:
+        raise ValueError(f"truncated must be a bool tensor, got dtype {t.dtype}")
     if coef > 1:
         raise ValueError(f"coef must be in [0, 1] (scale) or negative (replacement), got {coef}")
     penalised = r * coef if coef >= 0 else torch.full_like(r, coef)
@@ -162,6 +165,8 @@ def overlong_filter_mask(action_mask: Tensor, *, truncated: Tensor) -> Tensor:
     """
     m = _checks.tensor("action_mask", action_mask)
     t = _checks.tensor("truncated", truncated)
+    if t.dtype != torch.bool:
+        raise ValueError(f"truncated must be a bool tensor, got dtype {t.dtype}")
     if m.ndim != 2 or t.shape != (m.shape[0],):
         raise ValueError(
             f"truncated must have shape (B,)=({m.shape[0]},) for action_mask of shape "

@@ -36,14 +36,15 @@ def clipped_value_loss(
     v = _checks.floating("values", values, ndim=2)
     _checks.same_shape("values", v, old_values=old_values, returns=returns)
     m = _checks.mask("action_mask", action_mask, like=v, like_name="values")
-    target = returns.detach()
+    v = _checks.zero_masked(_checks.upcast(v), m)
+    target = _checks.zero_masked(_checks.upcast(returns.detach()), m)
     unclipped = (v - target) ** 2
     if clip_eps is None:
         loss = 0.5 * unclipped
         clip_frac = torch.zeros((), dtype=v.dtype, device=v.device)
     else:
         eps = _checks.positive("clip_eps", clip_eps)
-        old = old_values.detach()
+        old = _checks.zero_masked(_checks.upcast(old_values.detach()), m)
         v_clipped = old + (v - old).clamp(-eps, eps)
         clipped = (v_clipped - target) ** 2
         loss = 0.5 * torch.maximum(clipped, unclipped)

@@ -1,5 +1,58 @@
-"""rlhf.agents: How a sample is produced and scored.
+"""rlhf.agents: how a sample is produced and scored, in token space.
 
-This package is at its foundation stage: it builds, installs and imports, and carries the
-namespace, typing marker and dependency pins. Its contents arrive with issue 3.
+The `Generator` protocol (token ids in, token ids + log-probs out) is what rollout engines
+implement; executors turn prompts into `Trajectory` objects with exact token streams, action
+masks and aligned log-probs; reward functions (a Python file or HTTP servers speaking OpenRLHF's
+wire format) and multi-turn environments (``reset``/``step``) score them, with explicit failure
+policies. It imports no other rlhf package.
 """
+
+from rlhf.agents.environments import (
+    Environment,
+    EnvironmentFactory,
+    EnvironmentStepError,
+    StepResult,
+)
+from rlhf.agents.loading import load_module, load_symbol
+from rlhf.agents.multi_turn import MultiTurnExecutor
+from rlhf.agents.remote import RemoteReward, RemoteRewardConfig, shard_bounds
+from rlhf.agents.rewards import (
+    FailurePolicy,
+    FunctionReward,
+    RewardBatch,
+    RewardError,
+    RewardScorer,
+    parse_reward_output,
+)
+from rlhf.agents.single_turn import ExecutorResult, SingleTurnExecutor
+from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
+from rlhf.agents.types import FinishReason, Generation, Generator, SamplingParams, Trajectory
+
+__all__ = [
+    "ChatTurns",
+    "Environment",
+    "EnvironmentFactory",
+    "EnvironmentStepError",
+    "ExecutorResult",
+    "FailurePolicy",
+    "FinishReason",
+    "FunctionReward",
+    "Generation",
+    "Generator",
+    "MultiTurnExecutor",
+    "RemoteReward",
+    "RemoteRewardConfig",
+    "RewardBatch",
+    "RewardError",
+    "RewardScorer",
+    "SamplingParams",
+    "SingleTurnExecutor",
+    "StepResult",
+    "Tokenizer",
+    "Trajectory",
+    "encode_prompt",
+    "load_module",
+    "load_symbol",
+    "parse_reward_output",
+    "shard_bounds",
+]

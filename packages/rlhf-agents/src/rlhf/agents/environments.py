@@ -1,0 +1,133 @@
+"""Multi-turn environments: the protocol, `StepResult`, and loading a user's environment class.
+
+An environment file defines a class (default name ``Environment``) whose instances hold one
+episode's state: ``reset(prompt, label)`` then ``step(action_text)`` until ``done``. Both may be
+coroutines. A new instance is made per sample, with ``env_kwargs`` as keyword arguments; an
+``async def create(**kwargs)`` classmethod, when present, is awaited instead of the constructor
+(a constructor cannot itself be a coroutine, so ``async def __init__`` is refused with that hint).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rlhf.agents.loading import load_symbol
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment says after one policy turn.
+
+    Attributes:
+        feedback: Text shown to the policy as the next user turn (ignored when ``done``).
+        reward: Reward of this turn.
+        done: The episode is over.
+        score: Optional final score (for filtering and pass@k); defaults to the total reward.
+        metrics: Scalar diagnostics, averaged over the batch by the executor.
+        sampling: Overrides of the sampling parameters for the next turn (e.g. max_new_tokens).
+    """
+
+    feedback: str = ""
+    reward: float = 0.0
+    done: bool = False
+    score: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """One episode of a multi-turn task."""
+
+    def reset(self, prompt: str, label: Any) -> Any: ...
+    def step(self, action_text: str) -> Any: ...
+
+
+class EnvironmentStepError(RuntimeError):
+    """An environment misbehaved (raised, returned the wrong type)."""
+
+
+async def maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def coerce_step_result(value: Any, *, source: str) -> StepResult:
+    """Accept a `StepResult` or a dict with its fields; anything else names what was expected."""
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(StepResult.__dataclass_fields__))
+        if unknown:
+            raise EnvironmentStepError(f"{source}: step() returned unknown keys {unknown}")
+        value = StepResult(**value)
+    if not isinstance(value, StepResult):
+        raise EnvironmentStepError(
+            f"{source}: step() must return a StepResult or a dict of its fields, "
+            f"got {type(value).__name__}"
+        )
+    if not isinstance(value.feedback, str):
+        raise EnvironmentStepError(
+            f"{source}: StepResult.feedback must be str, got {type(value.feedback).__name__}"
+        )
+    if (
+        isinstance(value.reward, bool)
+        or not isinstance(value.reward, int | float)
+        or not math.isfinite(value.reward)
+    ):
+        raise EnvironmentStepError(
+            f"{source}: StepResult.reward must be a finite number, got {value.reward!r}"
+        )
+    if not isinstance(value.done, bool):
+        raise EnvironmentStepError(f"{source}: StepResult.done must be bool, got {value.done!r}")
+    if value.score is not None and not (
+        isinstance(value.score, int | float) and math.isfinite(value.score)
+    ):
+        raise EnvironmentStepError(
+            f"{source}: StepResult.score must be a finite number or None, got {value.score!r}"
+        )
+    return value
+
+
+class EnvironmentFactory:
+    """Makes a fresh environment instance per sample.
+
+    Args:
+        cls: The environment class (or any callable returning an instance).
+        env_kwargs: Keyword arguments for every instance.
+        source: Name used in error messages.
+    """
+
+    def __init__(
+        self,
+        cls: Callable[..., Any],
+        *,
+        env_kwargs: dict[str, Any] | None = None,
+        source: str = "environment",
+    ) -> None:
+        if inspect.iscoroutinefunction(getattr(cls, "__init__", None)):
+            raise TypeError(
+                f"{source}: __init__ cannot be a coroutine; do async set-up in an "
+                "`async def create(cls, **kwargs)` classmethod instead"
+            )
+        for method in ("reset", "step"):
+            if not callable(getattr(cls, method, None)):
+                raise TypeError(f"{source}: the environment class must define {method}()")
+        self.cls = cls
+        self.env_kwargs = dict(env_kwargs or {})
+        self.source = source
+
+    @classmethod
+    def from_file(
+        cls, path: str, *, symbol: str = "Environment", env_kwargs: dict[str, Any] | None = None
+    ) -> EnvironmentFactory:
+        """Load the environment class ``symbol`` from the Python file at ``path``."""
+        env_cls = load_symbol(path, symbol, purpose="environment")
+        return cls(env_cls, env_kwargs=env_kwargs, source=f"environment {symbol} in {path}")
+
+    async def create(self) -> Any:
+        """A new instance (awaiting ``create`` when the class defines it as a coroutine)."""
+        create = getattr(self.cls, "create", None)
+        if create is not None and inspect.iscoroutinefunction(create):
+            return await create(**self.env_kwargs)
+        return await maybe_await(self.cls(**self.env_kwargs))

@@ -1,0 +1,48 @@
+"""Load a user's Python file (reward function, environment) by path, with clear errors."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import pathlib
+import sys
+from types import ModuleType
+from typing import Any
+
+
+def load_module(path: str | pathlib.Path, *, purpose: str) -> ModuleType:
+    """Import the Python file at ``path`` as a private module.
+
+    Args:
+        path: A ``.py`` file.
+        purpose: What the file is for, used in error messages (e.g. "reward function").
+    """
+    file = pathlib.Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"{purpose} file {str(path)!r} does not exist (resolved to {file})")
+    if file.suffix != ".py":
+        raise ValueError(f"{purpose} file {str(file)!r} must be a .py file")
+    name = "rlhf_user_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {purpose} file {str(file)!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise ImportError(f"importing {purpose} file {str(file)!r} failed: {exc!r}") from exc
+    return module
+
+
+def load_symbol(path: str | pathlib.Path, symbol: str, *, purpose: str) -> Any:
+    """``symbol`` from the Python file at ``path``; a clear error when it is missing."""
+    module = load_module(path, purpose=purpose)
+    try:
+        return getattr(module, symbol)
+    except AttributeError:
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise AttributeError(
+            f"{purpose} file {str(path)!r} defines no {symbol!r}; it defines: {public}"
+        ) from None

@@ -1,0 +1,171 @@
+"""Multi-turn executor: token-in-token-out episodes against a user's environment.
+
+Per sample: encode the prompt (left-truncated), ``reset`` a fresh environment, then alternate
+generation and ``step``. The policy's tokens are kept exactly as sampled; the environment's
+feedback is rendered as a new user turn through the chat template (see `ChatTurns`) and appended
+as tokens with action mask 0. The episode ends when the environment says ``done``; reaching
+``max_turns`` or the ``max_len`` token budget ends it with ``truncated=True``. Rewards are kept per
+turn and summed. An environment that raises or returns the wrong type fails the sample with a
+message naming the environment, the prompt index and the turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from rlhf.agents.environments import (
+    EnvironmentFactory,
+    EnvironmentStepError,
+    coerce_step_result,
+    maybe_await,
+)
+from rlhf.agents.single_turn import ExecutorResult
+from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
+from rlhf.agents.types import FinishReason, Generator, SamplingParams, Trajectory
+
+
+class MultiTurnExecutor:
+    """Run multi-turn episodes.
+
+    Args:
+        tokenizer: Tokenizer with (ideally) a chat template.
+        generator: Samples each policy turn in token space.
+        environments: Makes one environment per sample.
+        sampling: Per-turn sampling parameters (``max_new_tokens`` per turn); a step may override
+            them for the next turn.
+        max_len: Token budget of the whole episode (prompt + all turns).
+        max_turns: Most policy turns per episode.
+        max_prompt_len: Prompt budget; None uses ``max_len − sampling.max_new_tokens``.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Tokenizer,
+        generator: Generator,
+        environments: EnvironmentFactory,
+        sampling: SamplingParams,
+        max_len: int,
+        max_turns: int,
+        max_prompt_len: int | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.max_prompt_len = max_prompt_len or max_len - sampling.max_new_tokens
+        if self.max_prompt_len < 1 or self.max_prompt_len >= max_len:
+            raise ValueError(f"max_len={max_len} leaves no room for prompt and completion")
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.environments = environments
+        self.sampling = sampling
+        self.max_len = max_len
+        self.max_turns = max_turns
+        self.turns = ChatTurns(tokenizer)
+
+    async def _episode(
+        self, prompt: str, label: Any, prompt_index: int, sample_index: int
+    ) -> Trajectory:
+        where = f"{self.environments.source} (prompt {prompt_index}, sample {sample_index})"
+        prompt_ids, _ = encode_prompt(self.tokenizer, prompt, max_prompt_len=self.max_prompt_len)
+        env = await self.environments.create()
+        try:
+            opening = await maybe_await(env.reset(prompt, label))
+        except Exception as exc:
+            raise EnvironmentStepError(f"{where}: reset() raised {exc!r}") from exc
+        tokens, mask, logprobs = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids)
+        if isinstance(opening, str) and opening:
+            extra = self.tokenizer.encode(opening, add_special_tokens=False)
+            tokens += extra
+            mask += [0] * len(extra)
+            logprobs += [0.0] * len(extra)
+        turn_rewards: list[float] = []
+        metrics: dict[str, float] = {}
+        sampling = self.sampling
+        finish: FinishReason = "stop"
+        truncated, score, weight_version = True, None, None
+        for turn in range(self.max_turns):
+            room = self.max_len - len(tokens)
+            if room < 1:
+                break
+            params = sampling.replace(max_new_tokens=min(sampling.max_new_tokens, room))
+            generation = await self.generator.generate(tokens, params)
+            finish, weight_version = generation.finish_reason, generation.weight_version
+            tokens += generation.token_ids
+            mask += [1] * len(generation.token_ids)
+            logprobs += generation.logprobs
+            action_text = self.tokenizer.decode(
+                list(generation.token_ids), skip_special_tokens=True
+            )
+            try:
+                raw = await maybe_await(env.step(action_text))
+            except Exception as exc:
+                raise EnvironmentStepError(
+                    f"{where}: step() raised on turn {turn}: {exc!r}"
+                ) from exc
+            result = coerce_step_result(raw, source=f"{where}, turn {turn}")
+            turn_rewards.append(float(result.reward))
+            for key, value in result.metrics.items():
+                metrics[key] = float(value)
+            if result.score is not None:
+                score = float(result.score)
+            if result.done:
+                truncated = False
+                break
+            if turn + 1 == self.max_turns:
+                break  # no turn left to answer feedback: truncated, without a dangling user turn
+            feedback = self.turns.feedback_text(generation.token_ids, result.feedback)
+            feedback_ids = self.tokenizer.encode(feedback, add_special_tokens=False)
+            if len(tokens) + len(feedback_ids) >= self.max_len:
+                break  # no room for the feedback and another turn: truncated
+            tokens += feedback_ids
+            mask += [0] * len(feedback_ids)
+            logprobs += [0.0] * len(feedback_ids)
+            if result.sampling:
+                sampling = self.sampling.replace(**result.sampling)
+        total = sum(turn_rewards)
+        metrics["env/turns"] = float(len(turn_rewards))
+        return Trajectory(
+            token_ids=tuple(tokens),
+            action_mask=tuple(mask),
+            rollout_logprobs=tuple(logprobs),
+            prompt_length=len(prompt_ids),
+            reward=total,
+            turn_rewards=tuple(turn_rewards),
+            score=total if score is None else score,
+            truncated=truncated,
+            finish_reason=finish,
+            metrics=metrics,
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            weight_version=weight_version,
+        )
+
+    async def run(
+        self,
+        *,
+        prompts: Sequence[str],
+        labels: Sequence[Any],
+        n_samples_per_prompt: int = 1,
+        prompt_indices: Sequence[int] | None = None,
+    ) -> ExecutorResult:
+        """Run every episode concurrently; see `ExecutorResult`."""
+        if len(prompts) != len(labels):
+            raise ValueError(f"got {len(prompts)} prompts but {len(labels)} labels")
+        indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompts)))
+        episodes = await asyncio.gather(
+            *(
+                self._episode(prompts[p], labels[p], indices[p], s)
+                for p in range(len(prompts))
+                for s in range(n_samples_per_prompt)
+            )
+        )
+        n = max(len(episodes), 1)
+        metrics = {
+            "rollout/samples": float(len(episodes)),
+            "rollout/truncated_frac": sum(e.truncated for e in episodes) / n,
+            "env/turns_mean": sum(e.metrics["env/turns"] for e in episodes) / n,
+            "rollout/response_length_mean": sum(e.response_length for e in episodes) / n,
+        }
+        return ExecutorResult(trajectories=list(episodes), metrics=metrics)

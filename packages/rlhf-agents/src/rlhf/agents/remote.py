@@ -1,0 +1,199 @@
+"""Remote reward client speaking OpenRLHF's JSON wire format.
+
+Request: ``POST {"query": [...], "prompts": [...], "labels": [...]}``; response:
+``{"rewards": [...], "scores": [...]?, "extra_logs": {...}?}``. A batch is split into contiguous
+shards spread round-robin over the URLs (never an empty request), sent with bounded concurrency,
+a per-request timeout and retries with exponential backoff on connection errors, timeouts, 429
+and 5xx. A 4xx or a malformed body is not retried. What then happens to the shard's samples is
+the `FailurePolicy`: ``raise`` names the URL, the status and an excerpt of the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from rlhf.agents.rewards import (
+    FailurePolicy,
+    PolicyApplier,
+    RewardBatch,
+    RewardError,
+    empty_batch,
+    fill,
+    parse_reward_output,
+)
+
+BODY_EXCERPT = 300
+
+
+@dataclass(frozen=True)
+class RemoteRewardConfig:
+    """Remote reward servers (``--reward.remote_url``).
+
+    Attributes:
+        urls: One or more endpoints (full URLs, e.g. ``http://127.0.0.1:5000/get_reward``).
+        timeout_s: Per-request timeout in seconds.
+        max_retries: Retries after the first attempt for retryable failures.
+        backoff_s: First retry delay; doubles with each retry.
+        max_concurrency: Requests in flight at once across all URLs.
+        max_batch_size: Largest number of samples per request; None shards evenly over the URLs.
+        policy: What happens to samples whose request failed for good.
+    """
+
+    urls: tuple[str, ...]
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    max_concurrency: int = 8
+    max_batch_size: int | None = None
+    policy: FailurePolicy = field(default_factory=FailurePolicy)
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("reward.remote_url needs at least one URL")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"reward.remote_url {url!r} must start with http:// or https://")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_retries < 0 or self.backoff_s < 0 or self.max_concurrency < 1:
+            raise ValueError("reward.max_retries and backoff_s must be >= 0, max_concurrency >= 1")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(
+                f"reward.max_batch_size must be >= 1 or None, got {self.max_batch_size}"
+            )
+
+
+class _RequestError(Exception):
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def shard_bounds(n: int, *, n_urls: int, max_batch_size: int | None) -> list[tuple[int, int]]:
+    """Contiguous (lo, hi) shards of a batch of n: as many as URLs (more if shards would exceed
+    ``max_batch_size``), never more than n, sizes differing by at most one."""
+    if n == 0:
+        return []
+    shards = n_urls if max_batch_size is None else max(n_urls, math.ceil(n / max_batch_size))
+    shards = min(shards, n)
+    base, extra = divmod(n, shards)
+    bounds, lo = [], 0
+    for i in range(shards):
+        hi = lo + base + (1 if i < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class RemoteReward:
+    """A `RewardScorer` that asks HTTP reward servers; use as an async context manager or call
+    `aclose`."""
+
+    def __init__(self, config: RemoteRewardConfig) -> None:
+        self.config = config
+        self._client = httpx.AsyncClient(timeout=config.timeout_s)
+        self._semaphore = asyncio.Semaphore(config.max_concurrency)
+
+    async def __aenter__(self) -> RemoteReward:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _post_once(self, url: str, payload: dict[str, Any], n: int) -> Any:
+        try:
+            response = await self._client.post(url, json=payload)
+        except httpx.TimeoutException:
+            raise _RequestError(
+                f"{url}: no answer within {self.config.timeout_s} s", retryable=True
+            ) from None
+        except httpx.TransportError as exc:
+            raise _RequestError(f"{url}: {type(exc).__name__}: {exc}", retryable=True) from None
+        body = response.text[:BODY_EXCERPT]
+        if response.status_code != 200:
+            retryable = response.status_code == 429 or response.status_code >= 500
+            raise _RequestError(
+                f"{url}: HTTP {response.status_code}, body: {body!r}", retryable=retryable
+            )
+        try:
+            data = response.json()
+        except json.JSONDecodeError:
+            raise _RequestError(f"{url}: malformed JSON body: {body!r}", retryable=False) from None
+        if not isinstance(data, dict):
+            raise _RequestError(
+                f"{url}: expected a JSON object with 'rewards', got: {body!r}", retryable=False
+            )
+        try:
+            parse_reward_output(data, n=n, source=url)
+        except RewardError as exc:
+            raise _RequestError(f"{exc}; body: {body!r}", retryable=False) from None
+        return data
+
+    async def _post(self, url: str, payload: dict[str, Any], n: int) -> Any:
+        attempt = 0
+        while True:
+            try:
+                async with self._semaphore:
+                    return await self._post_once(url, payload, n)
+            except _RequestError as failure:
+                if not failure.retryable or attempt >= self.config.max_retries:
+                    suffix = f" (after {attempt + 1} attempts)" if failure.retryable else ""
+                    raise RewardError(f"remote reward {failure}{suffix}") from None
+                await asyncio.sleep(self.config.backoff_s * 2**attempt)
+                attempt += 1
+
+    async def score(
+        self,
+        *,
+        queries: Sequence[str],
+        prompts: Sequence[str],
+        labels: Sequence[Any],
+        **kwargs: Any,
+    ) -> RewardBatch:
+        """Score a batch on the servers; see the module docstring."""
+        n = len(queries)
+        if len(prompts) != n or len(labels) != n:
+            raise ValueError(
+                "queries, prompts and labels must have one entry per sample, got "
+                f"{n}, {len(prompts)} and {len(labels)}"
+            )
+        batch = empty_batch(n)
+        bounds = shard_bounds(
+            n, n_urls=len(self.config.urls), max_batch_size=self.config.max_batch_size
+        )
+        requests = []
+        for i, (lo, hi) in enumerate(bounds):
+            url = self.config.urls[i % len(self.config.urls)]
+            payload = {
+                "query": list(queries[lo:hi]),
+                "prompts": list(prompts[lo:hi]),
+                "labels": list(labels[lo:hi]),
+            }
+            requests.append(self._post(url, payload, hi - lo))
+        results = await asyncio.gather(*requests, return_exceptions=True)
+        policy = self.config.policy
+        batch.metrics["reward/requests"] = float(len(bounds))
+        for (lo, hi), result, i in zip(bounds, results, range(len(bounds)), strict=True):
+            url = self.config.urls[i % len(self.config.urls)]
+            applier = PolicyApplier(policy, f"remote reward {url}")
+            if isinstance(result, BaseException):
+                if not isinstance(result, RewardError) or policy.on_failure == "raise":
+                    raise result
+                for j in range(lo, hi):
+                    applier.fail(batch, j, str(result))
+                batch.metrics["reward/failed_requests"] = (
+                    batch.metrics.get("reward/failed_requests", 0.0) + 1
+                )
+                continue
+            fill(batch, lo, parse_reward_output(result, n=hi - lo, source=url), applier, result)
+        return batch

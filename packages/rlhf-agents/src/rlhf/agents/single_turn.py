@@ -1,0 +1,126 @@
+"""Single-turn executor: prompt text → tokens → n generations → one batched reward call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf.agents.rewards import RewardScorer
+from rlhf.agents.tokens import Tokenizer, encode_prompt
+from rlhf.agents.types import Generation, Generator, SamplingParams, Trajectory
+
+
+@dataclass
+class ExecutorResult:
+    """Trajectories of a batch and what happened on the way.
+
+    Attributes:
+        trajectories: Valid samples, ordered by (prompt_index, sample_index). Samples dropped by
+            a ``skip`` reward policy are absent, so a prompt group can be incomplete.
+        metrics: Counts and means (``rollout/*``, ``reward/*``).
+    """
+
+    trajectories: list[Trajectory]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class SingleTurnExecutor:
+    """Generate ``n_samples_per_prompt`` completions per prompt and score them in one batch.
+
+    Args:
+        tokenizer: Tokenizes the already templated prompts (no special tokens added).
+        generator: Samples completions in token space.
+        reward: Scores the completed samples.
+        sampling: Sampling parameters; ``max_new_tokens`` is the completion budget.
+        max_len: Budget of prompt + completion tokens; prompts are left-truncated to
+            ``max_len − max_new_tokens``.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Tokenizer,
+        generator: Generator,
+        reward: RewardScorer,
+        sampling: SamplingParams,
+        max_len: int,
+    ) -> None:
+        if max_len <= sampling.max_new_tokens:
+            raise ValueError(
+                f"max_len={max_len} must exceed sampling.max_new_tokens={sampling.max_new_tokens}"
+            )
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.reward = reward
+        self.sampling = sampling
+        self.max_len = max_len
+
+    async def run(
+        self,
+        *,
+        prompts: Sequence[str],
+        labels: Sequence[Any],
+        n_samples_per_prompt: int = 1,
+        prompt_indices: Sequence[int] | None = None,
+    ) -> ExecutorResult:
+        """Run the batch; see `ExecutorResult`."""
+        if len(prompts) != len(labels):
+            raise ValueError(f"got {len(prompts)} prompts but {len(labels)} labels")
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompts)))
+        budget = self.max_len - self.sampling.max_new_tokens
+        encoded = [encode_prompt(self.tokenizer, p, max_prompt_len=budget) for p in prompts]
+        jobs = [(p, s) for p in range(len(prompts)) for s in range(n_samples_per_prompt)]
+        generations: list[Generation] = await asyncio.gather(
+            *(self.generator.generate(encoded[p][0], self.sampling) for p, _ in jobs)
+        )
+        responses = [
+            self.tokenizer.decode(list(g.token_ids), skip_special_tokens=True) for g in generations
+        ]
+        queries = [
+            self.tokenizer.decode(encoded[p][0] + list(g.token_ids), skip_special_tokens=False)
+            for (p, _), g in zip(jobs, generations, strict=True)
+        ]
+        scored = await self.reward.score(
+            queries=queries,
+            prompts=[prompts[p] for p, _ in jobs],
+            labels=[labels[p] for p, _ in jobs],
+            responses=responses,
+        )
+        trajectories = []
+        for k, ((p, s), g) in enumerate(zip(jobs, generations, strict=True)):
+            if not scored.valid[k]:
+                continue
+            prompt_ids = encoded[p][0]
+            extras = {name: values[k] for name, values in scored.extra_logs.items()}
+            trajectories.append(
+                Trajectory(
+                    token_ids=tuple(prompt_ids) + g.token_ids,
+                    action_mask=(0,) * len(prompt_ids) + (1,) * len(g.token_ids),
+                    rollout_logprobs=(0.0,) * len(prompt_ids) + g.logprobs,
+                    prompt_length=len(prompt_ids),
+                    reward=scored.rewards[k],
+                    turn_rewards=(scored.rewards[k],),
+                    score=scored.scores[k],
+                    truncated=g.finish_reason == "length",
+                    finish_reason=g.finish_reason,
+                    metrics=extras,
+                    prompt_index=indices[p],
+                    sample_index=s,
+                    weight_version=g.weight_version,
+                )
+            )
+        metrics = {
+            "rollout/samples": float(len(jobs)),
+            "rollout/dropped": float(len(jobs) - len(trajectories)),
+            "rollout/prompts_truncated": float(sum(t for _, t in encoded)),
+            "rollout/response_length_mean": sum(len(g.token_ids) for g in generations)
+            / max(len(jobs), 1),
+            "rollout/truncated_frac": sum(g.finish_reason == "length" for g in generations)
+            / max(len(jobs), 1),
+            **scored.metrics,
+        }
+        return ExecutorResult(trajectories=trajectories, metrics=metrics)

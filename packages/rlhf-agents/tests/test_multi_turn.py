@@ -1,0 +1,245 @@
+"""Multi-turn executor: token-in-token-out streams against real environments and a real LM."""
+
+import asyncio
+import textwrap
+
+import pytest
+
+from rlhf.agents import (
+    EnvironmentFactory,
+    EnvironmentStepError,
+    MultiTurnExecutor,
+    SamplingParams,
+    StepResult,
+)
+
+QUESTION = "Guess a number between 0 and 9."
+
+
+def chat(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def executor(tokenizer, generator, environments, **kw) -> MultiTurnExecutor:
+    defaults = {
+        "sampling": SamplingParams(max_new_tokens=6, temperature=1.0),
+        "max_len": 256,
+        "max_turns": 3,
+    }
+    return MultiTurnExecutor(
+        tokenizer=tokenizer, generator=generator, environments=environments, **{**defaults, **kw}
+    )
+
+
+def run(ex, prompts, labels, n=1):
+    return asyncio.run(ex.run(prompts=prompts, labels=labels, n_samples_per_prompt=n))
+
+
+def env_file(tmp_path, body: str) -> EnvironmentFactory:
+    path = tmp_path / "env.py"
+    path.write_text(textwrap.dedent(body))
+    return EnvironmentFactory.from_file(str(path))
+
+
+def test_stream_is_the_generations_plus_feedback_and_renders_as_the_chat_template(
+    tokenizer, generator, examples
+) -> None:
+    envs = EnvironmentFactory.from_file(str(examples / "env_guess_number.py"))
+    prompt = chat(tokenizer, QUESTION)
+    result = run(executor(tokenizer, generator, envs), [prompt, prompt], [4, 7], n=2)
+    assert len(result.trajectories) == 4
+    for t in result.trajectories:
+        # Each generation was asked for with exactly the stream so far (no re-tokenization) and
+        # its tokens appear verbatim; everything else is prompt or feedback with mask 0.
+        calls = [
+            (p, g)
+            for p, g in generator.calls
+            if list(t.token_ids[: len(p)]) == p
+            and tuple(t.token_ids[len(p) : len(p) + len(g.token_ids)]) == g.token_ids
+        ]
+        calls.sort(key=lambda c: len(c[0]))
+        assert len(calls) == len(t.turn_rewards)
+        expected_mask = [0] * len(t.token_ids)
+        for p, g in calls:
+            for i in range(len(p), len(p) + len(g.token_ids)):
+                expected_mask[i] = 1
+            assert tuple(t.rollout_logprobs[len(p) : len(p) + len(g.token_ids)]) == g.logprobs
+        assert list(t.action_mask) == expected_mask
+        assert all(
+            lp == 0.0 for lp, m in zip(t.rollout_logprobs, t.action_mask, strict=True) if not m
+        )
+
+        # The stream, decoded, is what the chat template renders for the same conversation.
+        messages = [{"role": "user", "content": QUESTION}]
+        for i, (_, g) in enumerate(calls):
+            text = tokenizer.decode(list(g.token_ids), skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": text})
+            if i + 1 < len(calls):
+                feedback_start = len(calls[i][0]) + len(g.token_ids)
+                feedback_ids = t.token_ids[feedback_start : len(calls[i + 1][0])]
+                feedback = tokenizer.decode(list(feedback_ids), skip_special_tokens=False)
+                hint = (
+                    "Too low."
+                    if "Too low." in feedback
+                    else "Too high."
+                    if "Too high." in feedback
+                    else "Answer with a number."
+                )
+                messages.append({"role": "user", "content": hint})
+        _, last = calls[-1]
+        rendered = tokenizer.apply_chat_template(
+            messages[:-1], tokenize=False, add_generation_prompt=True
+        )
+        stream = tokenizer.decode(list(t.token_ids), skip_special_tokens=False)
+        assert stream == rendered + tokenizer.decode(
+            list(last.token_ids), skip_special_tokens=False
+        )
+        assert t.reward == sum(t.turn_rewards)
+        assert t.metrics["env/turns"] == len(t.turn_rewards)
+
+
+def test_max_turns_truncates_and_turn_rewards_are_kept(tmp_path, tokenizer, generator) -> None:
+    envs = env_file(
+        tmp_path,
+        """
+        from rlhf.agents import StepResult
+        class Environment:
+            def reset(self, prompt, label):
+                self.turn = 0
+            def step(self, action_text):
+                self.turn += 1
+                return StepResult(feedback=f"turn {self.turn}", reward=0.5, metrics={"turn": self.turn})
+        """,
+    )
+    result = run(executor(tokenizer, generator, envs, max_turns=3), [chat(tokenizer, "go")], [None])
+    (t,) = result.trajectories
+    assert t.truncated
+    assert t.turn_rewards == (0.5, 0.5, 0.5)
+    assert t.reward == 1.5
+    assert t.score == 1.5
+    assert t.metrics["turn"] == 3
+    assert result.metrics["rollout/truncated_frac"] == 1.0
+
+
+def test_environment_that_never_ends_is_cut_at_max_len(tmp_path, tokenizer, generator) -> None:
+    envs = env_file(
+        tmp_path,
+        """
+        class Environment:
+            def reset(self, prompt, label):
+                pass
+            def step(self, action_text):
+                return {"feedback": "keep going " * 3, "reward": 0.0, "done": False}
+        """,
+    )
+    prompt = chat(tokenizer, "go")
+    budget = len(tokenizer.encode(prompt, add_special_tokens=False)) + 30
+    result = run(
+        executor(tokenizer, generator, envs, max_turns=50, max_len=budget), [prompt], [None]
+    )
+    (t,) = result.trajectories
+    assert t.truncated
+    assert len(t.token_ids) <= budget
+    assert len(t.turn_rewards) < 50
+
+
+def test_done_ends_the_episode_and_sampling_overrides_apply(tmp_path, tokenizer, generator) -> None:
+    envs = env_file(
+        tmp_path,
+        """
+        from rlhf.agents import StepResult
+        class Environment:
+            def reset(self, prompt, label):
+                self.n = 0
+            def step(self, action_text):
+                self.n += 1
+                if self.n == 2:
+                    return StepResult(reward=1.0, done=True, score=0.25)
+                return StepResult(feedback="shorter please", sampling={"max_new_tokens": 2})
+        """,
+    )
+    result = run(executor(tokenizer, generator, envs, max_turns=5), [chat(tokenizer, "go")], [None])
+    (t,) = result.trajectories
+    assert not t.truncated
+    assert t.turn_rewards == (0.0, 1.0)
+    assert t.score == 0.25
+    assert len(generator.calls[-1][1].token_ids) <= 2
+
+
+def test_async_environment_with_async_create(tokenizer, generator, examples) -> None:
+    envs = EnvironmentFactory.from_file(
+        str(examples / "env_calculator.py"), env_kwargs={"tool_limit": 2}
+    )
+    result = run(
+        executor(tokenizer, generator, envs), [chat(tokenizer, "What is 6 times 7?")], ["42"], n=2
+    )
+    assert len(result.trajectories) == 2
+    for t in result.trajectories:
+        assert 1 <= len(t.turn_rewards) <= 3
+        assert "tool_calls" in t.metrics
+
+
+@pytest.mark.parametrize(
+    ("step_body", "message"),
+    [
+        (
+            "raise RuntimeError('sandbox died')",
+            r"step\(\) raised on turn 0: RuntimeError\('sandbox died'\)",
+        ),
+        (
+            "return 'done'",
+            r"turn 0: step\(\) must return a StepResult or a dict of its fields, got str",
+        ),
+        (
+            "return {'reward': 1.0, 'finished': True}",
+            r"step\(\) returned unknown keys \['finished'\]",
+        ),
+        (
+            "return StepResult(reward=float('nan'))",
+            r"StepResult.reward must be a finite number, got nan",
+        ),
+        ("return StepResult(done='yes')", r"StepResult.done must be bool, got 'yes'"),
+    ],
+)
+def test_misbehaving_environments_name_the_file_prompt_and_turn(
+    tmp_path, tokenizer, generator, step_body, message
+) -> None:
+    envs = env_file(
+        tmp_path,
+        f"""
+        from rlhf.agents import StepResult
+        class Environment:
+            def reset(self, prompt, label):
+                pass
+            def step(self, action_text):
+                {step_body}
+        """,
+    )
+    with pytest.raises(
+        EnvironmentStepError, match=r"environment Environment in .*env\.py \(prompt 0, sample 0\)"
+    ):
+        run(executor(tokenizer, generator, envs), [chat(tokenizer, "go")], [None])
+    with pytest.raises(EnvironmentStepError, match=message):
+        run(executor(tokenizer, generator, envs), [chat(tokenizer, "go")], [None])
+
+
+def test_bad_environment_classes_are_refused_clearly(tmp_path) -> None:
+    with pytest.raises(
+        TypeError, match=r"__init__ cannot be a coroutine; do async set-up in an `async def create"
+    ):
+        env_file(
+            tmp_path,
+            "class Environment:\n    async def __init__(self):\n        pass\n    def reset(self, p, l):\n        pass\n    def step(self, a):\n        pass\n",
+        )
+    with pytest.raises(TypeError, match=r"must define step\(\)"):
+        env_file(tmp_path, "class Environment:\n    def reset(self, p, l):\n        pass\n")
+    with pytest.raises(AttributeError, match=r"defines no 'Environment'"):
+        env_file(tmp_path, "class Env:\n    pass\n")
+    with pytest.raises(FileNotFoundError, match="environment file"):
+        EnvironmentFactory.from_file(str(tmp_path / "missing.py"))
+
+
+def test_step_result_defaults() -> None:
+    assert StepResult() == StepResult(feedback="", reward=0.0, done=False)

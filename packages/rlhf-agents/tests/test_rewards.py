@@ -1,0 +1,193 @@
+"""Reward functions from a user's file: formats, batching, failure policies, bad input."""
+
+import asyncio
+import math
+import textwrap
+
+import pytest
+
+from rlhf.agents import FailurePolicy, FunctionReward, RewardError
+
+
+def write(tmp_path, body: str, name: str = "reward.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def score(scorer, n: int = 3, **kwargs):
+    queries = [f"q{i}" for i in range(n)]
+    return asyncio.run(
+        scorer.score(
+            queries=queries, prompts=[f"p{i}" for i in range(n)], labels=list(range(n)), **kwargs
+        )
+    )
+
+
+def test_sync_function_is_called_once_per_batch(tmp_path) -> None:
+    path = write(
+        tmp_path,
+        """
+        CALLS = []
+        def reward_func(queries, prompts, labels, **kwargs):
+            CALLS.append(len(queries))
+            return [float(l) * 2 for l in labels]
+        """,
+    )
+    scorer = FunctionReward.from_file(path)
+    out = score(scorer, 4)
+    assert out.rewards == [0.0, 2.0, 4.0, 6.0]
+    assert out.scores == out.rewards
+    assert all(out.valid)
+    assert scorer.func.__globals__["CALLS"] == [4]
+
+
+def test_async_function_dict_output_with_scores_and_extra_logs(tmp_path) -> None:
+    path = write(
+        tmp_path,
+        """
+        import asyncio
+        async def reward_func(queries, prompts, labels, **kwargs):
+            await asyncio.sleep(0)
+            return {"rewards": [1.0] * len(queries), "scores": [0.5] * len(queries),
+                    "extra_logs": {"len": [len(q) for q in queries], "const": 3}}
+        """,
+    )
+    out = score(FunctionReward.from_file(path), 2)
+    assert out.rewards == [1.0, 1.0]
+    assert out.scores == [0.5, 0.5]
+    assert out.extra_logs == {"len": [2.0, 2.0], "const": [3.0, 3.0]}
+
+
+def test_batch_size_splits_calls(tmp_path) -> None:
+    path = write(
+        tmp_path,
+        "CALLS=[]\ndef reward_func(q, p, l, **kw):\n    CALLS.append(len(q))\n    return [0.0]*len(q)\n",
+    )
+    scorer = FunctionReward.from_file(path, batch_size=2)
+    score(scorer, 5)
+    assert scorer.func.__globals__["CALLS"] == [2, 2, 1]
+
+
+def test_kwargs_are_sliced_per_sample(tmp_path) -> None:
+    path = write(
+        tmp_path,
+        "def reward_func(q, p, l, responses, **kw):\n    return [float(len(r)) for r in responses]\n",
+    )
+    out = score(FunctionReward.from_file(path, batch_size=1), 2, responses=["a", "bbb"])
+    assert out.rewards == [1.0, 3.0]
+
+
+RAISES = """
+def reward_func(queries, prompts, labels, **kwargs):
+    if any(l == 1 for l in labels):
+        raise KeyError("answer")
+    return [1.0] * len(queries)
+"""
+
+
+def test_raising_function_under_raise_names_file_and_samples(tmp_path) -> None:
+    path = write(tmp_path, RAISES)
+    with pytest.raises(
+        RewardError,
+        match=r"reward function reward_func in .*reward\.py raised on samples 0\.\.2: KeyError\('answer'\)",
+    ):
+        score(FunctionReward.from_file(path))
+
+
+def test_raising_function_under_skip_isolates_the_culprit(tmp_path) -> None:
+    out = score(
+        FunctionReward.from_file(write(tmp_path, RAISES), policy=FailurePolicy(on_failure="skip"))
+    )
+    assert out.valid == [True, False, True]
+    assert out.rewards[0] == 1.0
+    assert out.rewards[2] == 1.0
+    assert out.metrics["reward/failed"] == 1
+
+
+def test_raising_function_under_fallback(tmp_path) -> None:
+    policy = FailurePolicy(on_failure="fallback", fallback_reward=-1.0)
+    out = score(FunctionReward.from_file(write(tmp_path, RAISES), policy=policy))
+    assert out.valid == [True, True, True]
+    assert out.rewards == [1.0, -1.0, 1.0]
+    assert out.metrics["reward/fallback"] == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            "return [1.0, float('nan'), 0.0]",
+            r"sample 1: reward nan \(float\) is not a finite number",
+        ),
+        (
+            "return [1.0, float('inf'), 0.0]",
+            r"sample 1: reward inf \(float\) is not a finite number",
+        ),
+        ("return [1.0, 'yes', 0.0]", r"sample 1: reward 'yes' \(str\) is not a finite number"),
+        ("return [1.0, None, 0.0]", r"sample 1: reward None \(NoneType\) is not a finite number"),
+        ("return [1.0]", r"the returned rewards has 1 entries for a batch of 3 samples"),
+        ("return 'good'", r"the returned rewards must be a sequence of 3 numbers, got str"),
+        (
+            "return {'reward': [1, 1, 1]}",
+            r"the returned dict has no 'rewards' key \(keys: \['reward'\]\)",
+        ),
+        (
+            "return {'rewards': [1, 1, 1], 'scores': [1]}",
+            r"'scores' has 1 entries for a batch of 3",
+        ),
+    ],
+)
+def test_bad_outputs_raise_with_the_sample_and_what_was_expected(tmp_path, body, message) -> None:
+    path = write(tmp_path, f"def reward_func(q, p, l, **kw):\n    {body}\n")
+    with pytest.raises(RewardError, match=message):
+        score(FunctionReward.from_file(path))
+
+
+def test_nan_under_skip_drops_only_that_sample(tmp_path) -> None:
+    path = write(tmp_path, "def reward_func(q, p, l, **kw):\n    return [1.0, float('nan'), 0.5]\n")
+    out = score(FunctionReward.from_file(path, policy=FailurePolicy(on_failure="skip")))
+    assert out.valid == [True, False, True]
+    assert all(math.isfinite(r) for r in out.rewards)
+
+
+def test_torch_tensor_output_is_accepted(tmp_path) -> None:
+    path = write(
+        tmp_path,
+        "import torch\ndef reward_func(q, p, l, **kw):\n    return torch.tensor([0.25] * len(q))\n",
+    )
+    assert score(FunctionReward.from_file(path), 2).rewards == [0.25, 0.25]
+
+
+def test_missing_file_and_missing_symbol(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"reward function file 'nope\.py' does not exist"):
+        FunctionReward.from_file("nope.py")
+    path = write(tmp_path, "def reward(q, p, l):\n    return [0.0]\n")
+    with pytest.raises(AttributeError, match=r"defines no 'reward_func'; it defines: \['reward'\]"):
+        FunctionReward.from_file(path)
+    broken = write(tmp_path, "def reward_func(:\n", name="broken.py")
+    with pytest.raises(
+        ImportError, match=r"importing reward function file .*broken\.py' failed: SyntaxError"
+    ):
+        FunctionReward.from_file(broken)
+
+
+def test_bad_policy_and_mismatched_batch() -> None:
+    with pytest.raises(ValueError, match="reward failure policy must be raise, skip or fallback"):
+        FailurePolicy(on_failure="ignore")  # type: ignore[arg-type]
+    scorer = FunctionReward(lambda q, p, labels, **kw: [0.0] * len(q))
+    with pytest.raises(ValueError, match="one entry per sample, got 2, 1 and 2"):
+        asyncio.run(scorer.score(queries=["a", "b"], prompts=["a"], labels=[1, 2]))
+
+
+def test_example_math_reward_file(examples) -> None:
+    scorer = FunctionReward.from_file(str(examples / "reward_math.py"))
+    responses = ["so \\boxed{\\frac{1}{2}}", "it is \\boxed{3}", "no answer"]
+    out = asyncio.run(
+        scorer.score(
+            queries=responses, prompts=["", "", ""], labels=["0.5", "4", "1"], responses=responses
+        )
+    )
+    assert out.rewards == [1.1, 0.1, 0.0]
+    assert out.scores == [1.0, 0.0, 0.0]
+    assert out.extra_logs["math/boxed_found"] == [1.0, 1.0, 0.0]

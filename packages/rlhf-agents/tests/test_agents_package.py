@@ -18,3 +18,29 @@ def test_agents_version_train() -> None:
     requires = importlib.metadata.requires("rlhf-agents") or []
     siblings = [r for r in requires if r.startswith("rlhf-")]
     assert all(r.endswith(f"=={version}") for r in siblings), siblings
+
+
+def test_readme_example_runs() -> None:
+    import pathlib
+    import subprocess
+    import sys
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    out = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert lines[0] == "[1.0, 0.0]"
+    assert lines[1] == "(0.0, 0.0, 1.0) False"
+
+
+def test_every_public_name_is_documented_in_the_readme() -> None:
+    import pathlib
+
+    import rlhf.agents
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    missing = [name for name in rlhf.agents.__all__ if f"`{name}" not in text]
+    assert not missing, missing

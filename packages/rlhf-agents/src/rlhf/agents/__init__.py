@@ -7,6 +7,7 @@ wire format) and multi-turn environments (``reset``/``step``) score them, with e
 policies. It imports no other rlhf package.
 """
 
+from rlhf.agents.agent_executor import AgentError, OpenAIAgentExecutor
 from rlhf.agents.environments import (
     Environment,
     EnvironmentFactory,
@@ -15,6 +16,7 @@ from rlhf.agents.environments import (
 )
 from rlhf.agents.loading import load_module, load_symbol
 from rlhf.agents.multi_turn import MultiTurnExecutor
+from rlhf.agents.openai_server import OpenAICompatibleServer, Session, SessionError
 from rlhf.agents.remote import RemoteReward, RemoteRewardConfig, shard_bounds
 from rlhf.agents.rewards import (
     FailurePolicy,
@@ -29,6 +31,7 @@ from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
 from rlhf.agents.types import FinishReason, Generation, Generator, SamplingParams, Trajectory
 
 __all__ = [
+    "AgentError",
     "ChatTurns",
     "Environment",
     "EnvironmentFactory",
@@ -40,12 +43,16 @@ __all__ = [
     "Generation",
     "Generator",
     "MultiTurnExecutor",
+    "OpenAIAgentExecutor",
+    "OpenAICompatibleServer",
     "RemoteReward",
     "RemoteRewardConfig",
     "RewardBatch",
     "RewardError",
     "RewardScorer",
     "SamplingParams",
+    "Session",
+    "SessionError",
     "SingleTurnExecutor",
     "StepResult",
     "Tokenizer",

@@ -64,6 +64,6 @@ class Environment:
         try:
             value = _evaluate(ast.parse(call.group(1), mode="eval"))
             feedback = f"calc result: {value}"
-        except (SyntaxError, ValueError, ZeroDivisionError) as exc:
+        except (SyntaxError, ValueError, ArithmeticError) as exc:
             feedback = f"calc error: {exc}"
         return StepResult(feedback=feedback, reward=0.0, done=False)

@@ -44,3 +44,26 @@ def test_every_public_name_is_documented_in_the_readme() -> None:
     text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     missing = [name for name in rlhf.agents.__all__ if f"`{name}" not in text]
     assert not missing, missing
+
+
+def test_imports_no_other_rlhf_package() -> None:
+    import ast
+    import pathlib
+
+    source = pathlib.Path(__file__).parents[1] / "src" / "rlhf" / "agents"
+    offenders = []
+    for file in source.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                f"{file.name}: {n}"
+                for n in names
+                if n.startswith("rlhf.") and not n.startswith("rlhf.agents")
+            ]
+    assert not offenders

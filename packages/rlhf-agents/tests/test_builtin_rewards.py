@@ -36,7 +36,9 @@ def test_last_boxed(text, expected) -> None:
         ("x + x", "2x", False),  # implicit multiplication is not parsed: no false positives
         ("\\left( 1 \\right)", "1", True),
         ("5", "6", False),
-        ("__import__('os')", "0", False),  # never evaluated: outside the safe character set
+        ("x + x", "2*x", True),
+        ("9^9^9^9", "1", False),  # refused (exponent too large), answers quickly
+        ("factorial(10^7)", "1", False),  # names other than sqrt/pi/e are refused
     ],
 )
 def test_answers_equal(a, b, equal) -> None:
@@ -53,3 +55,14 @@ def test_reward_functions_use_responses_when_given() -> None:
 
 def test_without_responses_the_prompt_is_stripped_from_the_query() -> None:
     assert exact_match(["Q: 2+2? 4"], ["Q: 2+2? "], ["4"]) == [1.0]
+
+
+def test_model_output_is_never_executed(tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    payload = "".join(f"chr({ord(c)})+" for c in f"open('{marker}','w')")[:-1]
+    for answer in (f"exec({payload})", f"eval({payload})", "__import__(chr(111)+chr(115))"):
+        assert answers_equal(answer, "42") is False
+        assert math_answer(["x"], ["p"], ["42"], responses=[f"\\boxed{{{answer}}}"])["rewards"] == [
+            0.0
+        ]
+    assert not marker.exists()

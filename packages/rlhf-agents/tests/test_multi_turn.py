@@ -8,6 +8,7 @@ import pytest
 from rlhf.agents import (
     EnvironmentFactory,
     EnvironmentStepError,
+    Generation,
     MultiTurnExecutor,
     SamplingParams,
     StepResult,
@@ -243,3 +244,118 @@ def test_bad_environment_classes_are_refused_clearly(tmp_path) -> None:
 
 def test_step_result_defaults() -> None:
     assert StepResult() == StepResult(feedback="", reward=0.0, done=False)
+
+
+class ScriptedGenerator:
+    """A Generator that replays fixed token sequences, ended by the length limit (no EOS)."""
+
+    def __init__(self, replies: list[list[int]]) -> None:
+        self.replies = list(replies)
+
+    async def generate(self, prompt_token_ids, sampling):
+        ids = self.replies.pop(0)[: sampling.max_new_tokens]
+        return Generation(token_ids=tuple(ids), logprobs=(-1.0,) * len(ids), finish_reason="length")
+
+
+def test_cut_turns_are_closed_with_the_end_of_turn_token(tmp_path, tokenizer) -> None:
+    envs = env_file(
+        tmp_path,
+        """
+        class Environment:
+            def reset(self, prompt, label):
+                self.n = 0
+            def step(self, action_text):
+                self.n += 1
+                return {"feedback": "again", "done": self.n == 3}
+        """,
+    )
+    # Replies whose text ends in "<": a text-level match would close them with "|im_end|>".
+    replies = [tokenizer.encode(t, add_special_tokens=False) for t in ("x <", "y <|", "z")]
+    ex = MultiTurnExecutor(
+        tokenizer=tokenizer,
+        generator=ScriptedGenerator(replies),
+        environments=envs,
+        sampling=SamplingParams(max_new_tokens=8),
+        max_len=256,
+        max_turns=5,
+    )
+    (t,) = run(ex, [chat(tokenizer, "go")], [None]).trajectories
+    eos = tokenizer.eos_token_id
+    # One end-of-turn token for the prompt's user turn, one closing each of the two cut turns
+    # that got feedback, one per feedback turn.
+    assert list(t.token_ids).count(eos) == 1 + 2 + 2
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "x <"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "y <|"},
+        {"role": "user", "content": "again"},
+    ]
+    expected_prefix = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert tokenizer.decode(list(t.token_ids)) == expected_prefix + "z"
+
+
+def test_environment_metrics_and_sampling_overrides_are_validated(
+    tmp_path, tokenizer, generator
+) -> None:
+    bad_metrics = env_file(
+        tmp_path,
+        "class Environment:\n    def reset(self, p, l):\n        pass\n    def step(self, a):\n        return {'metrics': {'note': 'n/a'}}\n",
+    )
+    with pytest.raises(
+        EnvironmentStepError,
+        match=r"turn 0: StepResult.metrics\['note'\] must be a finite number, got 'n/a'",
+    ):
+        run(executor(tokenizer, generator, bad_metrics), [chat(tokenizer, "go")], [None])
+    bad_sampling = env_file(
+        tmp_path,
+        "class Environment:\n    def reset(self, p, l):\n        pass\n    def step(self, a):\n        return {'feedback': 'x', 'sampling': {'max_tokens': 2}}\n",
+    )
+    with pytest.raises(
+        EnvironmentStepError,
+        match=r"turn 0: bad sampling override: unknown sampling parameter\(s\) \['max_tokens'\]",
+    ):
+        run(executor(tokenizer, generator, bad_sampling), [chat(tokenizer, "go")], [None])
+
+
+def test_numpy_and_torch_scalars_are_numbers(tmp_path, tokenizer, generator) -> None:
+    envs = env_file(
+        tmp_path,
+        """
+        import numpy as np
+        import torch
+        class Environment:
+            def reset(self, prompt, label):
+                pass
+            def step(self, action_text):
+                return {"reward": np.float32(0.5), "score": torch.tensor(1.0), "done": True, "metrics": {"m": np.int64(3)}}
+        """,
+    )
+    (t,) = run(executor(tokenizer, generator, envs), [chat(tokenizer, "go")], [None]).trajectories
+    assert t.turn_rewards == (0.5,)
+    assert t.score == 1.0
+    assert t.metrics["m"] == 3.0
+
+
+def test_async_create_is_what_builds_the_instance(tmp_path, tokenizer, generator) -> None:
+    envs = env_file(
+        tmp_path,
+        """
+        import asyncio
+        class Environment:
+            def __init__(self, resource):
+                self.resource = resource
+            @classmethod
+            async def create(cls, **kwargs):
+                await asyncio.sleep(0)
+                return cls(resource="opened-by-create")
+            def reset(self, prompt, label):
+                pass
+            def step(self, action_text):
+                return {"done": True, "metrics": {"created": float(self.resource == "opened-by-create")}}
+        """,
+    )
+    (t,) = run(executor(tokenizer, generator, envs), [chat(tokenizer, "go")], [None]).trajectories
+    assert t.metrics["created"] == 1.0

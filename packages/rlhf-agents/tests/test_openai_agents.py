@@ -149,7 +149,7 @@ def test_bad_outcomes(agent_file, tokenizer, generator) -> None:
         make(agent_file, "missing_agent", tokenizer, generator)
 
 
-def test_budget_exhaustion_is_a_clear_400(agent_file, tokenizer, generator) -> None:
+def test_budget_exhaustion_truncates_the_episode(agent_file, tokenizer, generator) -> None:
     prompt_len = len(
         tokenizer.encode(
             tokenizer.apply_chat_template(
@@ -158,14 +158,57 @@ def test_budget_exhaustion_is_a_clear_400(agent_file, tokenizer, generator) -> N
             add_special_tokens=False,
         )
     )
-    with pytest.raises(
-        AgentError, match=r"the session used its whole budget of max_len=\d+ tokens"
-    ):
-        run(
-            make(agent_file, "agent", tokenizer, generator, max_len=prompt_len + 6),
-            ["hello"],
-            [None],
-        )
+    budget = prompt_len + 6
+    (t,) = run(
+        make(agent_file, "agent", tokenizer, generator, max_len=budget), ["hello"], [None]
+    ).trajectories
+    assert t.truncated
+    assert t.finish_reason == "length"
+    assert len(t.token_ids) <= budget
+    assert (
+        t.metrics["agent/completions"] == 3
+    )  # the agent kept asking and got empty "length" answers
+
+
+def test_a_refused_request_leaves_the_session_unchanged(tokenizer, generator) -> None:
+    from rlhf.agents import OpenAICompatibleServer
+
+    server = OpenAICompatibleServer(
+        generator=generator,
+        tokenizer=tokenizer,
+        sampling=SamplingParams(max_new_tokens=3),
+        max_len=128,
+    )
+    messages = {"messages": [{"role": "user", "content": "hello"}]}
+
+    async def go():
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            sid = server.new_session()
+            refused = await client.post(
+                f"/sessions/{sid}/v1/chat/completions", json={**messages, "temperature": -1}
+            )
+            ok = await client.post(f"/sessions/{sid}/v1/chat/completions", json=messages)
+        return refused, ok, server.sessions[sid]
+
+    refused, ok, session = asyncio.run(go())
+    assert refused.status_code == 400
+    assert "temperature" in refused.json()["error"]["message"]
+    assert ok.status_code == 200
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            messages["messages"], tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )
+    assert session.token_ids[: len(prompt)] == prompt
+    assert session.prompt_length == len(prompt)
+    assert session.action_mask == [0] * len(prompt) + [1] * (len(session.token_ids) - len(prompt))
+
+
+def test_many_sync_agents_do_not_starve_the_generator(agent_file, tokenizer, generator) -> None:
+    result = run(make(agent_file, "sync_agent", tokenizer, generator), ["hello"], [None], n=12)
+    assert len(result.trajectories) == 12
 
 
 def test_models_health_and_sessionless_requests(tokenizer, generator) -> None:

@@ -8,7 +8,7 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from rlhf.agents import FailurePolicy, RemoteReward, RemoteRewardConfig, RewardError, shard_bounds
 
@@ -53,6 +53,32 @@ def make_app(state: dict) -> FastAPI:
             return PlainTextResponse("warming up", status_code=503)
         body = await request.json()
         return {"rewards": [0.5] * len(body["query"])}
+
+    @app.post("/reward_b")
+    async def reward_b(request: Request):
+        body = await request.json()
+        state.setdefault("sizes_b", []).append(len(body["query"]))
+        return {"rewards": [-float(len(q)) for q in body["query"]]}
+
+    @app.post("/trickle")
+    async def trickle():
+        async def slow():
+            yield b'{"rewards": ['
+            for _ in range(30):
+                await asyncio.sleep(0.1)
+                yield b" "
+            yield b"1.0]}"
+
+        return StreamingResponse(slow(), media_type="application/json")
+
+    @app.post("/latin1")
+    async def latin1():
+        return Response(content=b"\xff\xfe not utf-8", media_type="application/json")
+
+    @app.post("/extra_logs_list")
+    async def extra_logs_list(request: Request):
+        body = await request.json()
+        return {"rewards": [1.0] * len(body["query"]), "extra_logs": [1]}
 
     @app.post("/wrong_length")
     async def wrong_length():
@@ -225,3 +251,42 @@ def test_config_errors() -> None:
         RemoteRewardConfig(urls=("127.0.0.1:5000",))
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         RemoteRewardConfig(urls=("http://x",), timeout_s=0)
+
+
+def test_round_robin_over_distinct_urls(server) -> None:
+    url, state = server
+    state["sizes"], state["sizes_b"] = [], []
+    out = run(RemoteRewardConfig(urls=(f"{url}/reward", f"{url}/reward_b")), n=5)
+    # Shards [0, 3) to the first URL, [3, 5) to the second (which negates).
+    assert out.rewards == [1.0, 2.0, 3.0, -4.0, -5.0]
+    assert state["sizes"] == [3]
+    assert state["sizes_b"] == [2]
+
+
+def test_a_trickling_server_hits_the_hard_deadline(server) -> None:
+    url, _ = server
+    with pytest.raises(RewardError, match=r"/trickle: no answer within 0.5 s"):
+        run(RemoteRewardConfig(urls=(f"{url}/trickle",), timeout_s=0.5, max_retries=0))
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [("latin1", "malformed JSON body"), ("extra_logs_list", "'extra_logs' must be a dict")],
+)
+def test_odd_bodies_follow_the_policy(server, path, message) -> None:
+    url, _ = server
+    with pytest.raises(RewardError, match=message):
+        run(RemoteRewardConfig(urls=(f"{url}/{path}",)))
+    out = run(RemoteRewardConfig(urls=(f"{url}/{path}",), policy=FailurePolicy(on_failure="skip")))
+    assert out.valid == [False] * 4
+
+
+def test_a_client_is_reusable_across_event_loops(server) -> None:
+    url, _ = server
+    client = RemoteReward(RemoteRewardConfig(urls=(f"{url}/reward",)))
+
+    async def once():
+        return await client.score(queries=["ab"], prompts=["p"], labels=[0])
+
+    assert asyncio.run(once()).rewards == [2.0]
+    assert asyncio.run(once()).rewards == [2.0]

@@ -191,3 +191,53 @@ def test_example_math_reward_file(examples) -> None:
     assert out.rewards == [1.1, 0.1, 0.0]
     assert out.scores == [1.0, 0.0, 0.0]
     assert out.extra_logs["math/boxed_found"] == [1.0, 1.0, 0.0]
+
+
+def test_numpy_and_torch_scalars_are_rewards(tmp_path) -> None:
+    path = write(
+        tmp_path,
+        "import numpy as np, torch\ndef reward_func(q, p, l, **kw):\n    return [np.float32(1.0), np.int64(2), torch.tensor(0.5)]\n",
+    )
+    out = score(
+        FunctionReward.from_file(
+            path, policy=FailurePolicy(on_failure="fallback", fallback_reward=-9.0)
+        )
+    )
+    assert out.rewards == [1.0, 2.0, 0.5]
+    assert "reward/fallback" not in out.metrics
+
+
+def test_extra_logs_of_the_wrong_type(tmp_path) -> None:
+    path = write(
+        tmp_path,
+        "def reward_func(q, p, l, **kw):\n    return {'rewards': [1.0] * len(q), 'extra_logs': [1]}\n",
+    )
+    with pytest.raises(
+        RewardError, match="'extra_logs' must be a dict of name -> values, got list"
+    ):
+        score(FunctionReward.from_file(path))
+
+
+def test_a_hung_reward_function_times_out_under_the_policy(tmp_path) -> None:
+    path = write(
+        tmp_path,
+        """
+        import time
+        def reward_func(q, p, l, **kw):
+            if 1 in l:
+                time.sleep(2)
+            return [1.0] * len(q)
+        """,
+    )
+    with pytest.raises(RewardError, match=r"did not return within 0.3 s on samples 0\.\.2"):
+        score(FunctionReward.from_file(path, timeout_s=0.3))
+    out = score(
+        FunctionReward.from_file(path, timeout_s=0.3, policy=FailurePolicy(on_failure="skip"))
+    )
+    assert out.valid == [True, False, True]
+
+
+def test_a_scorer_is_reusable_across_event_loops(tmp_path) -> None:
+    path = write(tmp_path, "def reward_func(q, p, l, **kw):\n    return [1.0] * len(q)\n")
+    scorer = FunctionReward.from_file(path)
+    assert score(scorer).rewards == score(scorer).rewards == [1.0, 1.0, 1.0]

@@ -12,18 +12,20 @@ run in worker threads so they never block the server.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import inspect
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import uvicorn
 
+from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.loading import load_symbol
 from rlhf.agents.openai_server import OpenAICompatibleServer
 from rlhf.agents.single_turn import ExecutorResult
 from rlhf.agents.tokens import Tokenizer
-from rlhf.agents.types import Generator, SamplingParams, Trajectory
+from rlhf.agents.types import Generator, SamplingParams, Trajectory, finite_float
 
 
 class AgentError(RuntimeError):
@@ -36,27 +38,33 @@ def _coerce_outcome(value: Any, *, where: str) -> tuple[float, float | None, dic
             raise AgentError(
                 f"{where}: the returned dict has no 'reward' key (keys: {sorted(value)})"
             )
-        reward, score, metrics = (
-            value["reward"],
-            value.get("score"),
-            dict(value.get("metrics") or {}),
-        )
+        raw_reward, raw_score = value["reward"], value.get("score")
+        raw_metrics = value.get("metrics") or {}
     else:
-        reward, score, metrics = value, None, {}
-    for name, number in (("reward", reward), ("score", score)):
-        if number is None and name == "score":
-            continue
-        if (
-            isinstance(number, bool)
-            or not isinstance(number, int | float)
-            or not math.isfinite(number)
-        ):
-            raise AgentError(f"{where}: {name} must be a finite number, got {number!r}")
-    return (
-        float(reward),
-        (None if score is None else float(score)),
-        {k: float(v) for k, v in metrics.items()},
-    )
+        raw_reward, raw_score, raw_metrics = value, None, {}
+    reward = finite_float(raw_reward)
+    if reward is None:
+        raise AgentError(f"{where}: reward must be a finite number, got {raw_reward!r}")
+    score = None if raw_score is None else finite_float(raw_score)
+    if raw_score is not None and score is None:
+        raise AgentError(f"{where}: score must be a finite number or None, got {raw_score!r}")
+    if not isinstance(raw_metrics, dict):
+        raise AgentError(f"{where}: metrics must be a dict of numbers, got {raw_metrics!r}")
+    metrics = {}
+    for key, number in raw_metrics.items():
+        metric = finite_float(number)
+        if metric is None:
+            raise AgentError(f"{where}: metrics[{key!r}] must be a finite number, got {number!r}")
+        metrics[str(key)] = metric
+    return reward, score, metrics
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the trainer that embeds it keeps SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class OpenAIAgentExecutor:
@@ -67,8 +75,9 @@ class OpenAIAgentExecutor:
         tokenizer: Tokenizer with a chat template.
         generator: The policy.
         sampling: Default sampling parameters for the agent's requests.
-        max_len: Token budget of one episode.
-        max_concurrency: Agents running at once.
+        max_len: Token budget of one episode; past it the server answers with an empty
+            ``finish_reason="length"`` completion and the trajectory is marked truncated.
+        max_concurrency: Agents running at once (sync agents get that many threads of their own).
         source: Name used in error messages.
     """
 
@@ -83,6 +92,8 @@ class OpenAIAgentExecutor:
         max_concurrency: int = 16,
         source: str = "agent",
     ) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.agent = agent
         self.source = source
         self.server = OpenAICompatibleServer(
@@ -98,30 +109,38 @@ class OpenAIAgentExecutor:
             raise TypeError(f"agent {symbol} in {path} must be callable")
         return cls(agent=agent, source=f"agent {symbol} in {path}", **kwargs)
 
+    async def _call_agent(
+        self, url: str, prompt: str, label: Any, pool: concurrent.futures.Executor
+    ) -> Any:
+        if inspect.iscoroutinefunction(self.agent):
+            return await self.agent(url, prompt, label)
+        # Sync agents get threads of their own: in the default pool they could take every
+        # thread the generator needs and deadlock the batch.
+        outcome = await asyncio.get_running_loop().run_in_executor(
+            pool, self.agent, url, prompt, label
+        )
+        return await outcome if inspect.isawaitable(outcome) else outcome
+
     async def _episode(
         self,
+        *,
         base: str,
         prompt: str,
         label: Any,
         prompt_index: int,
         sample_index: int,
         gate: asyncio.Semaphore,
+        pool: concurrent.futures.Executor,
     ) -> Trajectory:
         where = f"{self.source} (prompt {prompt_index}, sample {sample_index})"
         async with gate:
             sid = self.server.new_session()
-            url = f"{base}/sessions/{sid}/v1"
             try:
-                if inspect.iscoroutinefunction(self.agent):
-                    outcome = await self.agent(url, prompt, label)
-                else:
-                    outcome = await asyncio.to_thread(self.agent, url, prompt, label)
-                    if inspect.isawaitable(outcome):
-                        outcome = await outcome
+                outcome = await self._call_agent(f"{base}/sessions/{sid}/v1", prompt, label, pool)
             except Exception as exc:
-                self.server.close_session(sid)
                 raise AgentError(f"{where} raised: {exc!r}") from exc
-            session = self.server.close_session(sid)
+            finally:
+                session = self.server.close_session(sid)
         reward, score, metrics = _coerce_outcome(outcome, where=where)
         if not session.finish_reasons:
             raise AgentError(f"{where} returned without asking the policy for a single completion")
@@ -134,13 +153,36 @@ class OpenAIAgentExecutor:
             reward=reward,
             turn_rewards=(reward,),
             score=reward if score is None else score,
-            truncated=session.finish_reasons[-1] == "length",
+            truncated=session.truncated or session.finish_reasons[-1] == "length",
             finish_reason=session.finish_reasons[-1],
             metrics=metrics,
             prompt_index=prompt_index,
             sample_index=sample_index,
             weight_version=session.weight_version,
         )
+
+    async def _start(self) -> tuple[_QuietServer, asyncio.Task[None], int]:
+        config = uvicorn.Config(
+            self.server.app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        server = _QuietServer(config)
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            if serving.done():
+                try:
+                    serving.result()
+                except BaseException as exc:  # uvicorn reports start-up failures as SystemExit
+                    raise RuntimeError(
+                        f"the OpenAI-compatible server failed to start: {exc!r}"
+                    ) from None
+                raise RuntimeError("the OpenAI-compatible server stopped during start-up")
+            await asyncio.sleep(0.01)
+        return server, serving, server.servers[0].sockets[0].getsockname()[1]
 
     async def run(
         self,
@@ -154,31 +196,29 @@ class OpenAIAgentExecutor:
         if len(prompts) != len(labels):
             raise ValueError(f"got {len(prompts)} prompts but {len(labels)} labels")
         indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompts)))
-        config = uvicorn.Config(
-            self.server.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"
+        server, serving, port = await self._start()
+        gate = asyncio.Semaphore(self.max_concurrency)
+        pool = concurrent.futures.ThreadPoolExecutor(
+            self.max_concurrency, thread_name_prefix="rlhf-agent"
         )
-        server = uvicorn.Server(config)
-        serving = asyncio.create_task(server.serve())
         try:
-            while not server.started:
-                if serving.done():
-                    serving.result()
-                    raise RuntimeError("the OpenAI-compatible server stopped during start-up")
-                await asyncio.sleep(0.01)
-            port = server.servers[0].sockets[0].getsockname()[1]
-            gate = asyncio.Semaphore(self.max_concurrency)
-            trajectories = await asyncio.gather(
-                *(
-                    self._episode(
-                        f"http://127.0.0.1:{port}", prompts[p], labels[p], indices[p], s, gate
-                    )
-                    for p in range(len(prompts))
-                    for s in range(n_samples_per_prompt)
+            trajectories = await gather_or_cancel(
+                self._episode(
+                    base=f"http://127.0.0.1:{port}",
+                    prompt=prompts[p],
+                    label=labels[p],
+                    prompt_index=indices[p],
+                    sample_index=s,
+                    gate=gate,
+                    pool=pool,
                 )
+                for p in range(len(prompts))
+                for s in range(n_samples_per_prompt)
             )
         finally:
             server.should_exit = True
             await serving
+            pool.shutdown(wait=False, cancel_futures=True)
         n = max(len(trajectories), 1)
         metrics = {
             "rollout/samples": float(len(trajectories)),

@@ -2,8 +2,8 @@
 
 - `exact_match`: 1.0 when the response, stripped, equals the label.
 - `math_answer`: extracts the last ``\\boxed{...}`` of the response (brace-matched) and compares it
-  with the label: equal after normalisation, or symbolically equal (sympy) for numeric/algebraic
-  answers built from a safe character set. Anything that cannot be parsed scores 0.
+  with the label: equal after normalisation, or symbolically equal (sympy) for answers parsed
+  by a whitelisting `ast` walker — never evaluated as Python. Anything else scores 0.
 - `boxed_format`: 1.0 when the response contains exactly one ``\\boxed{...}`` answer.
 
 Each uses ``kwargs["responses"]`` (the decoded completion alone, which the executors pass) and
@@ -12,6 +12,7 @@ falls back to the query with the prompt removed.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -64,8 +65,15 @@ def normalize_answer(answer: str) -> str:
     return out
 
 
-def _to_sympy_source(answer: str) -> str | None:
+MAX_ANSWER_CHARS = 200
+MAX_EXPONENT = 64
+_NAMES = {"pi", "e"}
+
+
+def _to_python_source(answer: str) -> str | None:
     text = normalize_answer(answer)
+    if len(text) > MAX_ANSWER_CHARS:
+        return None
     for _ in range(5):  # nested \frac / \sqrt
         text = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"((\1)/(\2))", text)
         text = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", text)
@@ -73,20 +81,76 @@ def _to_sympy_source(answer: str) -> str | None:
     return text if _SAFE_EXPR.match(text.replace("**", "^")) else None
 
 
+def _to_sympy(node: ast.AST) -> Any:
+    """Build a sympy expression from a whitelisted AST; nothing is ever evaluated as Python.
+
+    Allowed: int/float literals, single-letter symbols, pi and e, + - * / and ** with an
+    integer exponent of at most 64 in magnitude, unary minus/plus, and sqrt(x).
+    """
+    import sympy
+
+    if isinstance(node, ast.Expression):
+        return _to_sympy(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return (
+            sympy.nsimplify(node.value)
+            if isinstance(node.value, float)
+            else sympy.Integer(node.value)
+        )
+    if isinstance(node, ast.Name):
+        if node.id == "pi":
+            return sympy.pi
+        if node.id == "e":
+            return sympy.E
+        if len(node.id) == 1:
+            return sympy.Symbol(node.id)
+        raise ValueError(f"name {node.id!r} is not allowed")
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        inner = _to_sympy(node.operand)
+        return -inner if isinstance(node.op, ast.USub) else inner
+    if isinstance(node, ast.BinOp):
+        left, right = _to_sympy(node.left), _to_sympy(node.right)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        if isinstance(node.op, ast.Sub):
+            return left - right
+        if isinstance(node.op, ast.Mult):
+            return left * right
+        if isinstance(node.op, ast.Div):
+            return left / right
+        if isinstance(node.op, ast.Pow):
+            if not (right.is_Integer and abs(int(right)) <= MAX_EXPONENT):
+                raise ValueError("only small integer exponents are allowed")
+            return left**right
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "sqrt"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        return sympy.sqrt(_to_sympy(node.args[0]))
+    raise ValueError(f"{type(node).__name__} is not allowed in an answer")
+
+
 def answers_equal(predicted: str, label: str) -> bool:
-    """Textual equality after normalisation, else symbolic equality with sympy."""
+    """Textual equality after normalisation, else symbolic equality of safely parsed answers.
+
+    Model output is never evaluated as Python: answers are parsed with `ast` and only a small
+    whitelist of nodes is turned into sympy objects (see `_to_sympy`); long answers and large
+    exponents are refused.
+    """
     if normalize_answer(predicted) == normalize_answer(label):
         return True
-    a, b = _to_sympy_source(predicted), _to_sympy_source(label)
+    a, b = _to_python_source(predicted), _to_python_source(label)
     if not a or not b:
         return False
     try:
         import sympy
-        from sympy.parsing.sympy_parser import parse_expr
 
-        diff = sympy.simplify(parse_expr(a, evaluate=True) - parse_expr(b, evaluate=True))
-        return bool(diff == 0)
-    except Exception:
+        difference = _to_sympy(ast.parse(a, mode="eval")) - _to_sympy(ast.parse(b, mode="eval"))
+        return bool(sympy.expand(difference) == 0 or sympy.simplify(difference) == 0)
+    except (ValueError, TypeError, SyntaxError, ZeroDivisionError, RecursionError, AttributeError):
         return False
 
 

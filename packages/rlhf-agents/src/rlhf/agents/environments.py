@@ -1,7 +1,8 @@
 """Multi-turn environments: the protocol, `StepResult`, and loading a user's environment class.
 
 An environment file defines a class (default name ``Environment``) whose instances hold one
-episode's state: ``reset(prompt, label)`` then ``step(action_text)`` until ``done``. Both may be
+episode's state: ``reset(prompt, label)`` then ``step(action_text)`` until ``done``. The templated
+prompt is the first observation; a value returned by ``reset`` is ignored. Both may be
 coroutines. A new instance is made per sample, with ``env_kwargs`` as keyword arguments; an
 ``async def create(**kwargs)`` classmethod, when present, is awaited instead of the constructor
 (a constructor cannot itself be a coroutine, so ``async def __init__`` is refused with that hint).
@@ -9,13 +10,14 @@ coroutines. A new instance is made per sample, with ``env_kwargs`` as keyword ar
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlhf.agents.loading import load_symbol
+from rlhf.agents.types import finite_float
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,10 @@ async def maybe_await(value: Any) -> Any:
 
 
 def coerce_step_result(value: Any, *, source: str) -> StepResult:
-    """Accept a `StepResult` or a dict with its fields; anything else names what was expected."""
+    """Accept a `StepResult` or a dict with its fields; anything else names what was expected.
+
+    Numbers may be Python, numpy or 0-d torch scalars; they come out as floats.
+    """
     if isinstance(value, dict):
         unknown = sorted(set(value) - set(StepResult.__dataclass_fields__))
         if unknown:
@@ -66,27 +71,33 @@ def coerce_step_result(value: Any, *, source: str) -> StepResult:
             f"{source}: step() must return a StepResult or a dict of its fields, "
             f"got {type(value).__name__}"
         )
+
+    def bad(field_name: str, expected: str, got: Any) -> EnvironmentStepError:
+        return EnvironmentStepError(
+            f"{source}: StepResult.{field_name} must be {expected}, got {got!r}"
+        )
+
     if not isinstance(value.feedback, str):
-        raise EnvironmentStepError(
-            f"{source}: StepResult.feedback must be str, got {type(value.feedback).__name__}"
-        )
-    if (
-        isinstance(value.reward, bool)
-        or not isinstance(value.reward, int | float)
-        or not math.isfinite(value.reward)
-    ):
-        raise EnvironmentStepError(
-            f"{source}: StepResult.reward must be a finite number, got {value.reward!r}"
-        )
+        raise bad("feedback", "str", type(value.feedback).__name__)
     if not isinstance(value.done, bool):
-        raise EnvironmentStepError(f"{source}: StepResult.done must be bool, got {value.done!r}")
-    if value.score is not None and not (
-        isinstance(value.score, int | float) and math.isfinite(value.score)
-    ):
-        raise EnvironmentStepError(
-            f"{source}: StepResult.score must be a finite number or None, got {value.score!r}"
-        )
-    return value
+        raise bad("done", "bool", value.done)
+    reward = finite_float(value.reward)
+    if reward is None:
+        raise bad("reward", "a finite number", value.reward)
+    score = None if value.score is None else finite_float(value.score)
+    if value.score is not None and score is None:
+        raise bad("score", "a finite number or None", value.score)
+    if not isinstance(value.metrics, dict):
+        raise bad("metrics", "a dict of numbers", value.metrics)
+    metrics = {}
+    for key, number in value.metrics.items():
+        metric = finite_float(number)
+        if metric is None:
+            raise bad(f"metrics[{key!r}]", "a finite number", number)
+        metrics[str(key)] = metric
+    if not isinstance(value.sampling, dict):
+        raise bad("sampling", "a dict of sampling overrides", value.sampling)
+    return dataclasses.replace(value, reward=reward, score=score, metrics=metrics)
 
 
 class EnvironmentFactory:

@@ -11,10 +11,10 @@ message naming the environment, the prompt index and the turn.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.environments import (
     EnvironmentFactory,
     EnvironmentStepError,
@@ -71,15 +71,11 @@ class MultiTurnExecutor:
         prompt_ids, _ = encode_prompt(self.tokenizer, prompt, max_prompt_len=self.max_prompt_len)
         env = await self.environments.create()
         try:
-            opening = await maybe_await(env.reset(prompt, label))
+            # The templated prompt is the first observation; what reset() returns is ignored.
+            await maybe_await(env.reset(prompt, label))
         except Exception as exc:
             raise EnvironmentStepError(f"{where}: reset() raised {exc!r}") from exc
         tokens, mask, logprobs = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids)
-        if isinstance(opening, str) and opening:
-            extra = self.tokenizer.encode(opening, add_special_tokens=False)
-            tokens += extra
-            mask += [0] * len(extra)
-            logprobs += [0.0] * len(extra)
         turn_rewards: list[float] = []
         metrics: dict[str, float] = {}
         sampling = self.sampling
@@ -115,15 +111,19 @@ class MultiTurnExecutor:
                 break
             if turn + 1 == self.max_turns:
                 break  # no turn left to answer feedback: truncated, without a dangling user turn
-            feedback = self.turns.feedback_text(generation.token_ids, result.feedback)
-            feedback_ids = self.tokenizer.encode(feedback, add_special_tokens=False)
+            feedback_ids = self.turns.feedback_ids(generation.token_ids, result.feedback)
             if len(tokens) + len(feedback_ids) >= self.max_len:
                 break  # no room for the feedback and another turn: truncated
             tokens += feedback_ids
             mask += [0] * len(feedback_ids)
             logprobs += [0.0] * len(feedback_ids)
             if result.sampling:
-                sampling = self.sampling.replace(**result.sampling)
+                try:
+                    sampling = self.sampling.replace(**result.sampling)
+                except (TypeError, ValueError) as exc:
+                    raise EnvironmentStepError(
+                        f"{where}, turn {turn}: bad sampling override: {exc}"
+                    ) from None
         total = sum(turn_rewards)
         metrics["env/turns"] = float(len(turn_rewards))
         return Trajectory(
@@ -154,12 +154,10 @@ class MultiTurnExecutor:
         if len(prompts) != len(labels):
             raise ValueError(f"got {len(prompts)} prompts but {len(labels)} labels")
         indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompts)))
-        episodes = await asyncio.gather(
-            *(
-                self._episode(prompts[p], labels[p], indices[p], s)
-                for p in range(len(prompts))
-                for s in range(n_samples_per_prompt)
-            )
+        episodes = await gather_or_cancel(
+            self._episode(prompts[p], labels[p], indices[p], s)
+            for p in range(len(prompts))
+            for s in range(n_samples_per_prompt)
         )
         n = max(len(episodes), 1)
         metrics = {

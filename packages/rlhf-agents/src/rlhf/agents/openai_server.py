@@ -40,6 +40,8 @@ class Session:
         prompt_length: Tokens of the first request's prompt.
         finish_reasons: One per completion.
         weight_version: Of the last completion.
+        truncated: The session ran out of its token budget.
+        text: The rendered conversation so far (what the next request must extend).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -48,6 +50,7 @@ class Session:
     prompt_length: int = 0
     finish_reasons: list[FinishReason] = field(default_factory=list)
     weight_version: int | None = None
+    truncated: bool = False
     text: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -144,28 +147,56 @@ class OpenAICompatibleServer:
                 ) from None
             if not rendered.startswith(session.text):
                 raise SessionError(_divergence(session.text, rendered))
-            delta = self.tokenizer.encode(rendered[len(session.text) :], add_special_tokens=False)
-            first = not session.token_ids
-            session.token_ids += delta
-            session.action_mask += [0] * len(delta)
-            session.logprobs += [0.0] * len(delta)
-            if first:
-                session.prompt_length = len(delta)
-            room = self.max_len - len(session.token_ids)
-            if room < 1:
-                raise SessionError(
-                    f"the session used its whole budget of max_len={self.max_len} tokens"
-                )
-            generation = await self.generator.generate(
-                list(session.token_ids), self._sampling_for(body, room)
+            delta = list(
+                self.tokenizer.encode(rendered[len(session.text) :], add_special_tokens=False)
             )
-            session.token_ids += generation.token_ids
-            session.action_mask += [1] * len(generation.token_ids)
-            session.logprobs += generation.logprobs
+            room = self.max_len - len(session.token_ids) - len(delta)
+            if room < 1:
+                # Out of budget: answer like an engine at its length limit, and keep the stream
+                # as it is (the agent sees finish_reason="length"; the episode is truncated).
+                session.truncated = True
+                session.finish_reasons.append("length")
+                return self._response(
+                    body,
+                    content="",
+                    finish_reason="length",
+                    prompt_tokens=len(session.token_ids),
+                    completion_tokens=0,
+                )
+            sampling = self._sampling_for(body, room)
+            # Nothing is committed before the generation succeeds: a refused or failed request
+            # (the client may retry it) leaves the session exactly as it was.
+            generation = await self.generator.generate([*session.token_ids, *delta], sampling)
+            if not session.token_ids:
+                session.prompt_length = len(delta)
+            session.token_ids += [*delta, *generation.token_ids]
+            session.action_mask += [0] * len(delta) + [1] * len(generation.token_ids)
+            session.logprobs += [0.0] * len(delta) + list(generation.logprobs)
             session.finish_reasons.append(generation.finish_reason)
             session.weight_version = generation.weight_version
-            session.text = self.tokenizer.decode(session.token_ids, skip_special_tokens=False)
+            # The rendered text itself, not a decode of the tokens: decoding need not invert
+            # encoding (normalisers), and the next request is compared with this text.
+            session.text = rendered + self.tokenizer.decode(
+                list(generation.token_ids), skip_special_tokens=False
+            )
         content = self.tokenizer.decode(list(generation.token_ids), skip_special_tokens=True)
+        return self._response(
+            body,
+            content=content,
+            finish_reason=generation.finish_reason,
+            prompt_tokens=len(session.token_ids) - len(generation.token_ids),
+            completion_tokens=len(generation.token_ids),
+        )
+
+    def _response(
+        self,
+        body: dict[str, Any],
+        *,
+        content: str,
+        finish_reason: FinishReason,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> dict[str, Any]:
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
             "object": "chat.completion",
@@ -175,16 +206,14 @@ class OpenAICompatibleServer:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": content},
-                    "finish_reason": generation.finish_reason
-                    if generation.finish_reason != "abort"
-                    else "stop",
+                    "finish_reason": "length" if finish_reason == "length" else "stop",
                     "logprobs": None,
                 }
             ],
             "usage": {
-                "prompt_tokens": len(session.token_ids) - len(generation.token_ids),
-                "completion_tokens": len(generation.token_ids),
-                "total_tokens": len(session.token_ids),
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
             },
         }
 

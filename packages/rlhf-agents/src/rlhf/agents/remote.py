@@ -38,7 +38,7 @@ class RemoteRewardConfig:
 
     Attributes:
         urls: One or more endpoints (full URLs, e.g. ``http://127.0.0.1:5000/get_reward``).
-        timeout_s: Per-request timeout in seconds.
+        timeout_s: Deadline of one request in seconds (connect, send and the whole response).
         max_retries: Retries after the first attempt for retryable failures.
         backoff_s: First retry delay; doubles with each retry.
         max_concurrency: Requests in flight at once across all URLs.
@@ -98,8 +98,18 @@ class RemoteReward:
 
     def __init__(self, config: RemoteRewardConfig) -> None:
         self.config = config
-        self._client = httpx.AsyncClient(timeout=config.timeout_s)
-        self._semaphore = asyncio.Semaphore(config.max_concurrency)
+        self._client: httpx.AsyncClient | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _bind(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        """The HTTP client and semaphore of the running event loop (made anew per loop)."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._semaphore is None or self._loop is not loop:
+            self._client = httpx.AsyncClient(timeout=self.config.timeout_s)
+            self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
+            self._loop = loop
+        return self._client, self._semaphore
 
     async def __aenter__(self) -> RemoteReward:
         return self
@@ -108,26 +118,32 @@ class RemoteReward:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        """Close the HTTP client of the current event loop, if any."""
+        if self._client is not None and self._loop is asyncio.get_running_loop():
+            await self._client.aclose()
+        self._client = self._semaphore = self._loop = None
 
     async def _post_once(self, url: str, payload: dict[str, Any], n: int) -> Any:
+        client, _ = self._bind()
         try:
-            response = await self._client.post(url, json=payload)
-        except httpx.TimeoutException:
+            # A hard deadline: httpx's own timeout applies per read, so a server that trickles
+            # bytes would never time out.
+            response = await asyncio.wait_for(client.post(url, json=payload), self.config.timeout_s)
+        except (httpx.TimeoutException, TimeoutError):
             raise _RequestError(
                 f"{url}: no answer within {self.config.timeout_s} s", retryable=True
             ) from None
         except httpx.TransportError as exc:
             raise _RequestError(f"{url}: {type(exc).__name__}: {exc}", retryable=True) from None
-        body = response.text[:BODY_EXCERPT]
+        body = response.content[:BODY_EXCERPT].decode("utf-8", errors="replace")
         if response.status_code != 200:
             retryable = response.status_code == 429 or response.status_code >= 500
             raise _RequestError(
                 f"{url}: HTTP {response.status_code}, body: {body!r}", retryable=retryable
             )
         try:
-            data = response.json()
-        except json.JSONDecodeError:
+            data = json.loads(response.content)
+        except ValueError:  # JSONDecodeError, or a body that is not UTF-8
             raise _RequestError(f"{url}: malformed JSON body: {body!r}", retryable=False) from None
         if not isinstance(data, dict):
             raise _RequestError(
@@ -142,8 +158,9 @@ class RemoteReward:
     async def _post(self, url: str, payload: dict[str, Any], n: int) -> Any:
         attempt = 0
         while True:
+            _, semaphore = self._bind()
             try:
-                async with self._semaphore:
+                async with semaphore:
                     return await self._post_once(url, payload, n)
             except _RequestError as failure:
                 if not failure.retryable or attempt >= self.config.max_retries:

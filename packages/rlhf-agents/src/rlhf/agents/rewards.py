@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from rlhf.agents.loading import load_symbol
+from rlhf.agents.types import finite_float
 
 FailureMode = Literal["raise", "skip", "fallback"]
 
@@ -98,10 +99,7 @@ def _as_list(value: Any, *, what: str, n: int, source: str) -> list[Any]:
 
 def _number(value: Any) -> float | None:
     """A finite float, or None for anything that is not one."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    v = float(value)
-    return v if math.isfinite(v) else None
+    return finite_float(value)
 
 
 @dataclass
@@ -130,7 +128,13 @@ def parse_reward_output(output: Any, *, n: int, source: str) -> _Parsed:
             else _as_list(raw_scores, what="'scores'", n=n, source=source)
         )
         extra: dict[str, list[float]] = {}
-        for name, values in (output.get("extra_logs") or {}).items():
+        raw_extra = output.get("extra_logs") or {}
+        if not isinstance(raw_extra, dict):
+            raise RewardError(
+                f"{source}: 'extra_logs' must be a dict of name -> values, "
+                f"got {type(raw_extra).__name__}"
+            )
+        for name, values in raw_extra.items():
             if _number(values) is not None:
                 extra[str(name)] = [float(values)] * n
             else:
@@ -190,11 +194,14 @@ class FunctionReward:
     """A `RewardScorer` backed by a Python callable ``reward_func(queries, prompts, labels, **kw)``.
 
     Args:
-        func: The reward function, sync or async. Sync functions run in a worker thread, one
-            call at a time, so they never block the event loop.
+        func: The reward function, sync or async. Sync functions run in a worker thread so they
+            never block the event loop; one `score` call makes its calls one after another, but
+            concurrent `score` calls (or a call abandoned after ``timeout_s``) can overlap.
         source: Name used in error messages (the file path for `from_file`).
         policy: Failure policy.
         batch_size: Largest batch per call; None passes the whole batch at once.
+        timeout_s: Deadline of one call; a call past it is a failure under the policy. A sync
+            function cannot be interrupted: its thread finishes in the background.
     """
 
     def __init__(
@@ -204,6 +211,7 @@ class FunctionReward:
         source: str = "reward function",
         policy: FailurePolicy | None = None,
         batch_size: int | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         if not callable(func):
             raise TypeError(f"{source}: reward_func must be callable, got {type(func).__name__}")
@@ -213,7 +221,9 @@ class FunctionReward:
         self.source = source
         self.applier = PolicyApplier(policy or FailurePolicy(), source)
         self.batch_size = batch_size
-        self._lock = asyncio.Lock()
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+        self.timeout_s = timeout_s
 
     @classmethod
     def from_file(
@@ -223,20 +233,19 @@ class FunctionReward:
         symbol: str = "reward_func",
         policy: FailurePolicy | None = None,
         batch_size: int | None = None,
+        timeout_s: float | None = None,
     ) -> FunctionReward:
         """Load ``symbol`` from the Python file at ``path``."""
         func = load_symbol(path, symbol, purpose="reward function")
-        return cls(
-            func, source=f"reward function {symbol} in {path}", policy=policy, batch_size=batch_size
-        )
+        source = f"reward function {symbol} in {path}"
+        return cls(func, source=source, policy=policy, batch_size=batch_size, timeout_s=timeout_s)
 
     async def _call(
         self, queries: list[str], prompts: list[str], labels: list[Any], kwargs: dict[str, Any]
     ) -> Any:
         if inspect.iscoroutinefunction(self.func):
             return await self.func(queries, prompts, labels, **kwargs)
-        async with self._lock:
-            result = await asyncio.to_thread(self.func, queries, prompts, labels, **kwargs)
+        result = await asyncio.to_thread(self.func, queries, prompts, labels, **kwargs)
         if inspect.isawaitable(result):
             result = await result
         return result
@@ -249,7 +258,13 @@ class FunctionReward:
         }
         args = (list(queries[lo:hi]), list(prompts[lo:hi]), list(labels[lo:hi]))
         try:
-            raw = await self._call(*args, sub_kwargs)
+            try:
+                raw = await asyncio.wait_for(self._call(*args, sub_kwargs), self.timeout_s)
+            except TimeoutError:
+                raise RewardError(
+                    f"{self.source} did not return within {self.timeout_s} s on samples "
+                    f"{lo}..{hi - 1}"
+                ) from None
             parsed = parse_reward_output(raw, n=hi - lo, source=self.source)
         except Exception as exc:
             if self.applier.policy.on_failure == "raise":

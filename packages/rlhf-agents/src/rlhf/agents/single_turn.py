@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.rewards import RewardScorer
 from rlhf.agents.tokens import Tokenizer, encode_prompt
 from rlhf.agents.types import Generation, Generator, SamplingParams, Trajectory
@@ -74,8 +74,8 @@ class SingleTurnExecutor:
         budget = self.max_len - self.sampling.max_new_tokens
         encoded = [encode_prompt(self.tokenizer, p, max_prompt_len=budget) for p in prompts]
         jobs = [(p, s) for p in range(len(prompts)) for s in range(n_samples_per_prompt)]
-        generations: list[Generation] = await asyncio.gather(
-            *(self.generator.generate(encoded[p][0], self.sampling) for p, _ in jobs)
+        generations: list[Generation] = await gather_or_cancel(
+            self.generator.generate(encoded[p][0], self.sampling) for p, _ in jobs
         )
         responses = [
             self.tokenizer.decode(list(g.token_ids), skip_special_tokens=True) for g in generations

@@ -40,19 +40,31 @@ class ChatTurns:
 
     For a ChatML template the policy's turn ends with the sampled ``<|im_end|>``; the template
     would then write ``\\n<|im_start|>user\\n{feedback}<|im_end|>\\n<|im_start|>assistant\\n``.
-    This class derives that text from the template itself (rendering a probe conversation with
-    and without an extra user turn), so the token stream equals what the model sees when the
-    whole conversation is templated at once. Without a chat template the feedback is appended
-    as plain text.
+    The closing of the assistant turn is derived from the template (a probe conversation) and
+    matched against the sampled tokens by **token id**, so a turn cut off by the length limit is
+    closed with the real end-of-turn token. The new user turn is rendered through the template
+    with the actual feedback each time (templates may trim or escape content), and must extend
+    the conversation as a prefix. Without a chat template the feedback is appended as plain text.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.turn_suffix = ""
-        self.user_prefix: str | None = None
-        self.user_suffix = ""
-        if getattr(tokenizer, "chat_template", None):
-            self._probe()
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+        self.turn_suffix_ids: list[int] = []
+        if self.templated:
+            base = self._render(self._probe_conversation(), generation_prompt=False)
+            if _ASSISTANT_PROBE not in base:
+                raise ValueError("the chat template does not render assistant messages")
+            suffix = base[base.rindex(_ASSISTANT_PROBE) + len(_ASSISTANT_PROBE) :]
+            self.turn_suffix_ids = list(tokenizer.encode(suffix, add_special_tokens=False))
+            self.user_turn_ids(_USER_PROBE)  # fail at construction on a prefix-unstable template
+
+    @staticmethod
+    def _probe_conversation() -> list[dict[str, str]]:
+        return [
+            {"role": "user", "content": _USER_PROBE},
+            {"role": "assistant", "content": _ASSISTANT_PROBE},
+        ]
 
     def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
         out = self.tokenizer.apply_chat_template(
@@ -60,34 +72,29 @@ class ChatTurns:
         )
         return str(out)
 
-    def _probe(self) -> None:
-        convo = [
-            {"role": "user", "content": _USER_PROBE},
-            {"role": "assistant", "content": _ASSISTANT_PROBE},
-        ]
+    def user_turn_ids(self, feedback: str) -> list[int]:
+        """Token ids of a new user turn holding ``feedback`` plus the assistant header."""
+        convo = self._probe_conversation()
         base = self._render(convo, generation_prompt=False)
-        full = self._render(
-            [*convo, {"role": "user", "content": _USER_PROBE}], generation_prompt=True
-        )
-        if not full.startswith(base) or _ASSISTANT_PROBE not in base:
+        full = self._render([*convo, {"role": "user", "content": feedback}], generation_prompt=True)
+        if not full.startswith(base):
             raise ValueError(
                 "the tokenizer's chat template does not render a conversation as a prefix of its "
                 "continuation; multi-turn token-in-token-out needs a prefix-stable template"
             )
-        self.turn_suffix = base[base.rindex(_ASSISTANT_PROBE) + len(_ASSISTANT_PROBE) :]
-        new_turn = full[len(base) :]
-        self.user_prefix, self.user_suffix = new_turn.split(_USER_PROBE, 1)
+        return list(self.tokenizer.encode(full[len(base) :], add_special_tokens=False))
 
-    def feedback_text(self, action_ids: Sequence[int], feedback: str) -> str:
-        """Text to append after the policy's action so the next turn starts correctly."""
-        if self.user_prefix is None:
-            return feedback
-        # Close the assistant turn with whatever of the template's turn suffix was not sampled
-        # (a stopped turn already ends with the end-of-turn token).
-        tail = self.tokenizer.decode(list(action_ids[-4:]), skip_special_tokens=False)
-        closing = self.turn_suffix
-        for k in range(len(self.turn_suffix), 0, -1):
-            if tail.endswith(self.turn_suffix[:k]):
-                closing = self.turn_suffix[k:]
-                break
-        return closing + self.user_prefix + feedback + self.user_suffix
+    def closing_ids(self, action_ids: Sequence[int]) -> list[int]:
+        """The part of the template's end-of-turn tokens that the policy did not sample."""
+        suffix = self.turn_suffix_ids
+        tail = list(action_ids[-len(suffix) :]) if suffix else []
+        for k in range(len(suffix), 0, -1):
+            if tail[-k:] == suffix[:k]:
+                return suffix[k:]
+        return list(suffix)
+
+    def feedback_ids(self, action_ids: Sequence[int], feedback: str) -> list[int]:
+        """Token ids to append after the policy's action so the next turn starts correctly."""
+        if not self.templated:
+            return list(self.tokenizer.encode(feedback, add_special_tokens=False))
+        return self.closing_ids(action_ids) + self.user_turn_ids(feedback)

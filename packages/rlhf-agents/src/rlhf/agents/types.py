@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+def finite_float(value: Any) -> float | None:
+    """``value`` as a finite float, or None. Accepts Python, numpy and 0-d torch numbers;
+    refuses bools, strings, None and NaN/inf."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) else None
 
 
 @dataclass(frozen=True)

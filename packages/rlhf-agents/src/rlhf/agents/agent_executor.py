@@ -23,7 +23,7 @@ import uvicorn
 from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.loading import load_symbol
 from rlhf.agents.openai_server import OpenAICompatibleServer
-from rlhf.agents.single_turn import ExecutorResult
+from rlhf.agents.single_turn import ExecutorResult, batch_indices
 from rlhf.agents.tokens import Tokenizer
 from rlhf.agents.types import Generator, SamplingParams, Trajectory, finite_float
 
@@ -193,9 +193,12 @@ class OpenAIAgentExecutor:
         prompt_indices: Sequence[int] | None = None,
     ) -> ExecutorResult:
         """Serve the policy on 127.0.0.1 for the duration of the batch and run every agent."""
-        if len(prompts) != len(labels):
-            raise ValueError(f"got {len(prompts)} prompts but {len(labels)} labels")
-        indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompts)))
+        indices = batch_indices(
+            prompts,
+            labels,
+            n_samples_per_prompt=n_samples_per_prompt,
+            prompt_indices=prompt_indices,
+        )
         server, serving, port = await self._start()
         gate = asyncio.Semaphore(self.max_concurrency)
         pool = concurrent.futures.ThreadPoolExecutor(

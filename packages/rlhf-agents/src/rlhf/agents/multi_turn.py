@@ -21,7 +21,7 @@ from rlhf.agents.environments import (
     coerce_step_result,
     maybe_await,
 )
-from rlhf.agents.single_turn import ExecutorResult
+from rlhf.agents.single_turn import ExecutorResult, batch_indices
 from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
 from rlhf.agents.types import FinishReason, Generator, SamplingParams, Trajectory
 
@@ -151,9 +151,12 @@ class MultiTurnExecutor:
         prompt_indices: Sequence[int] | None = None,
     ) -> ExecutorResult:
         """Run every episode concurrently; see `ExecutorResult`."""
-        if len(prompts) != len(labels):
-            raise ValueError(f"got {len(prompts)} prompts but {len(labels)} labels")
-        indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompts)))
+        indices = batch_indices(
+            prompts,
+            labels,
+            n_samples_per_prompt=n_samples_per_prompt,
+            prompt_indices=prompt_indices,
+        )
         episodes = await gather_or_cancel(
             self._episode(prompts[p], labels[p], indices[p], s)
             for p in range(len(prompts))

@@ -24,8 +24,8 @@ from rlhf.agents.rewards import (
     PolicyApplier,
     RewardBatch,
     RewardError,
-    empty_batch,
     fill,
+    new_batch,
     parse_reward_output,
 )
 
@@ -178,13 +178,8 @@ class RemoteReward:
         **kwargs: Any,
     ) -> RewardBatch:
         """Score a batch on the servers; see the module docstring."""
+        batch = new_batch(queries, prompts, labels)
         n = len(queries)
-        if len(prompts) != n or len(labels) != n:
-            raise ValueError(
-                "queries, prompts and labels must have one entry per sample, got "
-                f"{n}, {len(prompts)} and {len(labels)}"
-            )
-        batch = empty_batch(n)
         bounds = shard_bounds(
             n, n_urls=len(self.config.urls), max_batch_size=self.config.max_batch_size
         )

@@ -169,7 +169,14 @@ class PolicyApplier:
             batch.metrics["reward/fallback"] = batch.metrics.get("reward/fallback", 0.0) + 1
 
 
-def empty_batch(n: int) -> RewardBatch:
+def new_batch(queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardBatch:
+    """An all-valid placeholder batch, after checking the three inputs have one entry per sample."""
+    n = len(queries)
+    if len(prompts) != n or len(labels) != n:
+        raise ValueError(
+            "queries, prompts and labels must have one entry per sample, got "
+            f"{n}, {len(prompts)} and {len(labels)}"
+        )
     return RewardBatch(rewards=[0.0] * n, scores=[0.0] * n, valid=[True] * n)
 
 
@@ -290,13 +297,8 @@ class FunctionReward:
         **kwargs: Any,
     ) -> RewardBatch:
         """Score a batch; see the module docstring for formats and failure policies."""
+        batch = new_batch(queries, prompts, labels)
         n = len(queries)
-        if len(prompts) != n or len(labels) != n:
-            raise ValueError(
-                "queries, prompts and labels must have one entry per sample, got "
-                f"{n}, {len(prompts)} and {len(labels)}"
-            )
-        batch = empty_batch(n)
         step = self.batch_size or max(n, 1)
         for lo in range(0, n, step):
             await self._score_slice(batch, lo, min(lo + step, n), queries, prompts, labels, kwargs)

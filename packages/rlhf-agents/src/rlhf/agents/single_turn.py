@@ -26,6 +26,25 @@ class ExecutorResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def batch_indices(
+    prompts: Sequence[str],
+    labels: Sequence[Any],
+    *,
+    n_samples_per_prompt: int,
+    prompt_indices: Sequence[int] | None,
+) -> list[int]:
+    """Validate an executor batch and return the prompt index of each prompt."""
+    if len(prompts) != len(labels):
+        raise ValueError(f"got {len(prompts)} prompts but {len(labels)} labels")
+    if n_samples_per_prompt < 1:
+        raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+    if prompt_indices is None:
+        return list(range(len(prompts)))
+    if len(prompt_indices) != len(prompts):
+        raise ValueError(f"got {len(prompt_indices)} prompt_indices for {len(prompts)} prompts")
+    return list(prompt_indices)
+
+
 class SingleTurnExecutor:
     """Generate ``n_samples_per_prompt`` completions per prompt and score them in one batch.
 
@@ -66,11 +85,12 @@ class SingleTurnExecutor:
         prompt_indices: Sequence[int] | None = None,
     ) -> ExecutorResult:
         """Run the batch; see `ExecutorResult`."""
-        if len(prompts) != len(labels):
-            raise ValueError(f"got {len(prompts)} prompts but {len(labels)} labels")
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
-        indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompts)))
+        indices = batch_indices(
+            prompts,
+            labels,
+            n_samples_per_prompt=n_samples_per_prompt,
+            prompt_indices=prompt_indices,
+        )
         budget = self.max_len - self.sampling.max_new_tokens
         encoded = [encode_prompt(self.tokenizer, p, max_prompt_len=budget) for p in prompts]
         jobs = [(p, s) for p in range(len(prompts)) for s in range(n_samples_per_prompt)]

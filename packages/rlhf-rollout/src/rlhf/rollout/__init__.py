@@ -1,5 +1,11 @@
-"""rlhf.rollout: The inference side of rlhf.
+"""rlhf.rollout: vLLM engines behind the `rlhf.agents.Generator` protocol.
 
-This package is at its foundation stage: it builds, installs and imports, and carries the
-namespace, typing marker and dependency pins. Its contents arrive with issue 4.
+At this stage: `EngineConfig` and `VLLMEngine`, an in-process vllm engine driven by one
+background thread (token ids in, token ids + processed log-probs out). Engine pools, Ray actors
+and weight receiving are tracked in issue 4. It may import `rlhf.agents` only.
 """
+
+from rlhf.rollout.config import EngineConfig
+from rlhf.rollout.engine import EngineError, VLLMEngine
+
+__all__ = ["EngineConfig", "EngineError", "VLLMEngine"]

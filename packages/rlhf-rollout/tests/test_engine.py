@@ -92,6 +92,9 @@ def test_a_missing_model_fails_to_start_clearly(tmp_path) -> None:
     eng = VLLMEngine(EngineConfig(model=str(tmp_path / "no-such-model")))
     with pytest.raises(EngineError, match="failed to start"):
         eng.start(timeout_s=120)
+    # Not left half-started: generate() refuses instead of waiting on a dead thread.
+    with pytest.raises(EngineError, match="call start\\(\\) before generate\\(\\)"):
+        generate_many(eng, [PROMPT], SamplingParams(max_new_tokens=2))
 
 
 def test_config_errors() -> None:

@@ -87,6 +87,7 @@ class VLLMEngine:
                 f"vLLM engine for {self.config.model!r} did not start within {timeout_s} s"
             )
         if self._start_error is not None:
+            self._thread = None  # a failed engine can be started again, never half-used
             raise EngineError(
                 f"vLLM engine for {self.config.model!r} failed to start: {self._start_error!r}"
             ) from self._start_error

@@ -13,7 +13,6 @@ from transformers import Qwen2ForCausalLM
 
 from rlhf.agents import SamplingParams
 from rlhf.rollout import (
-    TensorMeta,
     WeightBucket,
     WeightSyncError,
     checksum,
@@ -23,45 +22,6 @@ from rlhf.rollout import (
 
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
-
-
-def pack(state: dict[str, torch.Tensor], *, version: int, bucket_bytes: int) -> list[WeightBucket]:
-    """A reference packer written from the format's description (the learner has its own)."""
-    groups, current, size = [], [], 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > bucket_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append((name, tensor))
-        size += nbytes
-    if current:
-        groups.append(current)
-    buckets = []
-    for index, group in enumerate(groups):
-        metas, chunks, offset = [], [], 0
-        for name, tensor in group:
-            data = (
-                tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
-                if tensor.numel()
-                else b""
-            )
-            metas.append(
-                TensorMeta(
-                    name,
-                    str(tensor.dtype).removeprefix("torch."),
-                    tuple(tensor.shape),
-                    offset,
-                    checksum(data),
-                )
-            )
-            chunks.append(data)
-            offset += len(data)
-        buffer = b"".join(chunks)
-        buckets.append(
-            WeightBucket(version, index, len(groups), tuple(metas), buffer, checksum(buffer))
-        )
-    return buckets
 
 
 def greedy(engine) -> tuple[int, ...]:
@@ -113,7 +73,7 @@ def test_checkpoint_params_are_read_from_safetensors_headers(checkpoint) -> None
     assert params == {k: (tuple(v.shape), "float32") for k, v in state.items()}
 
 
-def test_update_from_buckets_equals_loading_from_disk(engine, new_weights) -> None:
+def test_update_from_buckets_equals_loading_from_disk(engine, new_weights, pack) -> None:
     perturbed, disk, hf = new_weights
     before = greedy(engine)
     version = engine.update_weights(pack(perturbed, version=5, bucket_bytes=64 * 1024))
@@ -163,7 +123,7 @@ def _corrupt_byte(bucket: WeightBucket, *, fix_bucket_checksum: bool) -> WeightB
     ],
 )
 def test_bad_syncs_are_rejected_and_the_engine_keeps_its_weights(
-    engine, checkpoint, mutate, message
+    engine, checkpoint, pack, mutate, message
 ) -> None:
     state = load_file(str(checkpoint / "model.safetensors"))
     buckets = pack({k: v + 1.0 for k, v in state.items()}, version=9, bucket_bytes=64 * 1024)
@@ -175,7 +135,7 @@ def test_bad_syncs_are_rejected_and_the_engine_keeps_its_weights(
     assert engine.weight_version == version
 
 
-def test_missing_unknown_and_misshapen_parameters_are_named(checkpoint) -> None:
+def test_missing_unknown_and_misshapen_parameters_are_named(checkpoint, pack) -> None:
     expected = read_checkpoint_params(str(checkpoint))
     state = load_file(str(checkpoint / "model.safetensors"))
     missing = dict(state)

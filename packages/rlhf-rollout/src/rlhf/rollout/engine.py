@@ -17,13 +17,25 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rlhf.agents import Generation, SamplingParams
-from rlhf.rollout.buckets import WeightBucket, iter_tensors, validate_sync
+from rlhf.rollout.buckets import (
+    CHECKSUMS,
+    DTYPES,
+    WeightBucket,
+    WeightSyncError,
+    iter_tensors,
+    validate_sync,
+)
 from rlhf.rollout.config import EngineConfig
+from rlhf.rollout.readback import TIED, live_digests
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -51,6 +63,12 @@ def _vllm_sampling(sampling: SamplingParams) -> Any:
     )
 
 
+@dataclass
+class _Request:
+    future: Future[Generation]
+    weight_version: int | None = None  # set at the first engine step that may schedule it
+
+
 class VLLMEngine:
     """A `Generator` backed by one in-process vLLM engine.
 
@@ -58,6 +76,10 @@ class VLLMEngine:
         config: Engine options.
 
     Use `start` (or the async context manager) before `generate`, and `shutdown` at the end.
+    Cancelling a `generate` call aborts its vLLM request. `pause` stops stepping with requests
+    kept in flight (partial rollouts: sync weights, then `resume`); a `Generation` carries the
+    weight version of the first engine step after its request arrived: no token of it comes
+    from older weights (a lower bound, so staleness is never under-reported).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -65,21 +87,28 @@ class VLLMEngine:
         self.weight_version = 0
         self._engine: Any = None
         self._thread: threading.Thread | None = None
-        self._inbox: queue.Queue[tuple[str, Any, Any, Future[Any]] | None] = queue.Queue()
-        self._pending: dict[str, Future[Any]] = {}
+        self._inbox: queue.Queue[tuple[str, Any, Any, Future[Any] | None] | None] = queue.Queue()
+        self._pending: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
-        self._tokens_generated = 0
-        self._requests_done = 0
         self._expected: dict[str, tuple[tuple[int, ...], str]] | None = None
         self._dead: BaseException | None = None
+        self._paused = False
+        self._sleeping = False
+        self._requests_done = 0
+        self._tokens_generated = 0
+        self._aborted = 0
+        self._busy_s = 0.0
+        self._steps = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, timeout_s: float = 600.0) -> VLLMEngine:
         """Build the engine on its own thread and wait until it is ready."""
         if self._thread is not None:
             return self
+        self._started.clear()
+        self._start_error = None
         self._thread = threading.Thread(target=self._run, name="rlhf-vllm-engine", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout_s):
@@ -112,9 +141,16 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))
         from vllm.engine.arg_utils import EngineArgs  # pyright: ignore[reportMissingImports]
+        from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
         from vllm.v1.engine.llm_engine import LLMEngine  # pyright: ignore[reportMissingImports]
 
         c = self.config
+        if c.enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            raise EngineError(
+                f"vllm.enable_sleep_mode=True needs a CUDA/ROCm/XPU GPU; this vLLM runs on "
+                f"{current_platform.device_type!r}, which has no sleep mode. Leave it off here "
+                "(colocated runs then keep the engine's memory while training)."
+            )
         args = EngineArgs(
             model=c.model,
             dtype=c.dtype,
@@ -125,6 +161,7 @@ class VLLMEngine:
             tensor_parallel_size=c.tensor_parallel_size,
             gpu_memory_utilization=c.gpu_memory_utilization,
             max_num_seqs=c.max_num_seqs,
+            enable_sleep_mode=c.enable_sleep_mode,
             logprobs_mode="processed_logprobs",
         )
         return LLMEngine.from_engine_args(args)
@@ -137,6 +174,7 @@ class VLLMEngine:
             self._start_error = exc
             self._started.set()
             return
+        self._dead = None
         self._started.set()
         try:
             self._loop()
@@ -146,7 +184,7 @@ class VLLMEngine:
 
     def _loop(self) -> None:
         while True:
-            block = not self._pending
+            block = not self._pending or self._paused
             try:
                 while True:
                     item = self._inbox.get(block=block)
@@ -158,41 +196,61 @@ class VLLMEngine:
                     self._dispatch(item)
             except queue.Empty:
                 pass
-            if self._pending:
+            if self._pending and not self._paused:
                 self._step()
 
-    def _dispatch(self, item: tuple[str, Any, Any, Future[Any]]) -> None:
+    def _dispatch(self, item: tuple[str, Any, Any, Future[Any] | None]) -> None:
         kind, payload, extra, future = item
+        if kind == "abort":
+            request = self._pending.pop(payload, None)
+            if request is not None:
+                self._engine.abort_request([payload])
+                self._aborted += 1
+                if not request.future.done():
+                    request.future.set_exception(EngineError(f"request {payload} was aborted"))
+            return
+        assert future is not None
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled before it reached the engine
         try:
             if kind == "generate":
                 from vllm.inputs import TokensPrompt  # pyright: ignore[reportMissingImports]
 
-                request_id = f"r{next(self._ids)}"
-                self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=payload), extra)
-                self._pending[request_id] = future
+                if self._sleeping:
+                    raise EngineError("the engine is asleep; call wake_up() before generate()")
+                request_id, ids = payload
+                self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), extra)
+                self._pending[request_id] = _Request(future)
             else:  # a call on the engine, run on this thread
                 future.set_result(payload(self._engine, *extra))
         except BaseException as exc:
             future.set_exception(exc)
 
     def _step(self) -> None:
+        for request in self._pending.values():
+            if request.weight_version is None:
+                request.weight_version = self.weight_version
+        started = time.perf_counter()
         try:
             outputs = self._engine.step()
         except BaseException as exc:
             self._fail_all(EngineError(f"vLLM step failed: {exc!r}"))
             return
+        finally:
+            self._busy_s += time.perf_counter() - started
+            self._steps += 1
         for out in outputs:
             if not out.finished:
                 continue
-            future = self._pending.pop(out.request_id, None)
-            if future is None:
+            request = self._pending.pop(out.request_id, None)
+            if request is None or request.future.done():
                 continue
             try:
-                future.set_result(self._to_generation(out))
+                request.future.set_result(self._to_generation(out, request.weight_version or 0))
             except Exception as exc:  # a malformed output fails its request, not the thread
-                future.set_exception(EngineError(f"request {out.request_id}: {exc!r}"))
+                request.future.set_exception(EngineError(f"request {out.request_id}: {exc!r}"))
 
-    def _to_generation(self, out: Any) -> Generation:
+    def _to_generation(self, out: Any, weight_version: int) -> Generation:
         completion = out.outputs[0]
         ids = tuple(int(t) for t in completion.token_ids)
         lps = tuple(
@@ -204,42 +262,23 @@ class VLLMEngine:
             token_ids=ids,
             logprobs=lps,
             finish_reason=_FINISH.get(str(completion.finish_reason), "stop"),  # type: ignore[arg-type]
-            weight_version=self.weight_version,
+            weight_version=weight_version,
         )
 
     def _fail_all(self, error: BaseException) -> None:
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
+        for request in self._pending.values():
+            if not request.future.done():
+                request.future.set_exception(error)
         self._pending.clear()
 
-    # -- weights ---------------------------------------------------------------------------
-    def checkpoint_params(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Checkpoint names → (shape, dtype) of the model directory's safetensors files."""
-        if self._expected is None:
-            self._expected = read_checkpoint_params(self.config.model)
-        return self._expected
-
-    def update_weights(self, buckets: Sequence[WeightBucket], *, require_all: bool = True) -> int:
-        """Validate a whole sync, then load it into the live engine (blocking).
-
-        Nothing is loaded unless every bucket and tensor checks out (`validate_sync`); on a
-        `WeightSyncError` the engine keeps serving its previous weights. After loading, the
-        prefix cache is reset and `weight_version` becomes the sync's version.
-
-        Returns:
-            The new weight version.
-        """
-        version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
-        self.call(_load_buckets, list(buckets))
-        self.weight_version = version
-        return version
-
-    # -- public API ------------------------------------------------------------------------
+    # -- generation ------------------------------------------------------------------------
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Generation:
-        """Sample one completion of ``prompt_token_ids`` (see `rlhf.agents.Generator`)."""
+        """Sample one completion of ``prompt_token_ids`` (see `rlhf.agents.Generator`).
+
+        Cancelling the awaiting task aborts the request inside vLLM.
+        """
         if self._thread is None:
             raise EngineError("call start() before generate()")
         if self._dead is not None:
@@ -252,25 +291,177 @@ class VLLMEngine:
                 f"prompt of {len(ids)} tokens + max_new_tokens={sampling.max_new_tokens} exceeds "
                 f"vllm.max_model_len={self.config.max_model_len}"
             )
+        request_id = f"r{next(self._ids)}"
         future: Future[Generation] = Future()
-        self._inbox.put(("generate", ids, _vllm_sampling(sampling), future))
-        return await asyncio.wrap_future(future)
+        self._inbox.put(("generate", (request_id, ids), _vllm_sampling(sampling), future))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._inbox.put(("abort", request_id, None, None))
+            raise
 
     def call(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn(llm_engine, *args)`` on the engine thread and return its result (blocking)."""
+        """Run ``fn(llm_engine, *args)`` on the engine thread and return its result (blocking).
+
+        Calls run between engine steps, also while the engine is paused.
+        """
         if self._thread is None:
             raise EngineError("call start() before call()")
         future: Future[Any] = Future()
         self._inbox.put(("call", fn, args, future))
         return future.result()
 
+    def pause(self) -> int:
+        """Stop stepping; requests in flight keep their state. Returns how many are in flight."""
+        return self.call(lambda _: self._set_paused(True))
+
+    def resume(self) -> int:
+        """Continue stepping the requests in flight. Returns how many are in flight."""
+        return self.call(lambda _: self._set_paused(False))
+
+    def _set_paused(self, paused: bool) -> int:
+        self._paused = paused
+        return len(self._pending)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory (level 1: offload weights to host and drop the KV cache; level 2:
+        drop both). Needs ``enable_sleep_mode`` and no request in flight."""
+        if not self.config.enable_sleep_mode:
+            raise EngineError(
+                "sleep() needs the engine started with vllm.enable_sleep_mode=True "
+                "(CUDA GPUs only); pause()/resume() work everywhere"
+            )
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.call(self._sleep, level)
+
+    def _sleep(self, llm_engine: Any, level: int) -> None:
+        if self._pending:
+            raise EngineError(
+                f"sleep() with {len(self._pending)} requests in flight; let them finish or cancel"
+                " them first"
+            )
+        llm_engine.sleep(level)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        """Restore what `sleep` freed (after a level-2 sleep, sync weights next)."""
+        if not self.config.enable_sleep_mode:
+            raise EngineError("wake_up() needs the engine started with vllm.enable_sleep_mode=True")
+
+        def wake(llm_engine: Any) -> None:
+            llm_engine.wake_up()
+            self._sleeping = False
+
+        self.call(wake)
+
     def metrics(self) -> dict[str, float]:
-        """Requests finished, tokens generated and requests in flight."""
+        """Counters of this engine (``engine/*``): requests finished and aborted, tokens
+        generated, requests in flight and queued, tokens/s over the time spent stepping."""
+        busy = self._busy_s
         return {
             "engine/requests_done": float(self._requests_done),
+            "engine/requests_aborted": float(self._aborted),
             "engine/tokens_generated": float(self._tokens_generated),
             "engine/in_flight": float(len(self._pending)),
+            "engine/queued": float(self._inbox.qsize()),
+            "engine/steps": float(self._steps),
+            "engine/busy_s": busy,
+            "engine/tokens_per_s": self._tokens_generated / busy if busy > 0 else 0.0,
+            "engine/paused": float(self._paused),
+            "engine/weight_version": float(self.weight_version),
         }
+
+    # -- weights ---------------------------------------------------------------------------
+    def checkpoint_params(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Checkpoint names → (shape, dtype) of the model directory's safetensors files."""
+        if self._expected is None:
+            self._expected = read_checkpoint_params(self.config.model)
+        return self._expected
+
+    def update_weights(
+        self, buckets: Sequence[WeightBucket], *, require_all: bool = True, verify: bool = False
+    ) -> int:
+        """Validate a whole sync, then load it into the live engine (blocking).
+
+        Nothing is loaded unless every bucket and tensor checks out (`validate_sync`); on a
+        `WeightSyncError` from validation the engine keeps serving its previous weights. After
+        loading, the prefix cache is reset (requests in flight are preempted and their KV
+        recomputed with the new weights) and `weight_version` becomes the sync's version.
+
+        Args:
+            buckets: The sync.
+            require_all: Every checkpoint tensor must be in the sync.
+            verify: Read the loaded weights back from the engine and compare
+                (`verify_weights`).
+
+        Returns:
+            The new weight version.
+        """
+        version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
+        self.call(_load_buckets, list(buckets))
+        self.weight_version = version
+        if verify:
+            self.verify_weights(buckets)
+        return version
+
+    def weight_checksums(self, algorithm: str = "blake2b-128") -> dict[str, tuple[str, str]]:
+        """Checkpoint name → (dtype, digest) of the weights the engine serves with, read back
+        through its own kernels (`rlhf.rollout.readback`). Tensor parallel size 1 only."""
+        if self.config.tensor_parallel_size != 1:
+            raise EngineError(
+                "weight read-back needs vllm.tensor_parallel_size=1 (shards are not gathered)"
+            )
+        if algorithm not in CHECKSUMS:
+            raise ValueError(
+                f"unknown checksum algorithm {algorithm!r}; known: {sorted(CHECKSUMS)}"
+            )
+        checkpoint = self.checkpoint_params()
+        per_worker = self.call(
+            lambda eng: eng.collective_rpc(live_digests, args=(checkpoint, algorithm))
+        )
+        return dict(per_worker[0])
+
+    def verify_weights(self, buckets: Sequence[WeightBucket]) -> None:
+        """Check that the engine serves exactly the weights of ``buckets``.
+
+        Each received tensor is cast to the dtype the engine holds it in and compared with the
+        engine's read-back digest. A tied ``lm_head`` is compared with the tensor it is tied to.
+
+        Raises:
+            WeightSyncError: naming every parameter that differs or that the engine does not
+                report; `weight_version` is then set to -1 (the weights are in an unknown state
+                until a sync verifies).
+        """
+        algorithm = buckets[0].checksum_algorithm if buckets else "blake2b-128"
+        live = self.weight_checksums(algorithm)
+        digest = CHECKSUMS[algorithm]
+        received = dict(iter_tensors(buckets))
+        for name, source in TIED.items():
+            if name in live and name not in received and source in received:
+                received[name] = received[source]
+        differ, absent = [], []
+        for name, tensor in received.items():
+            if name not in live:
+                absent.append(name)
+                continue
+            dtype, got = live[name]
+            cast = tensor.to(DTYPES[dtype]).contiguous()
+            if digest(cast.view(-1).view(torch.uint8)) != got:
+                differ.append(name)
+        if differ or absent:
+            self.weight_version = -1
+            found = [
+                f"{what}: {names[:8]}{' …' if len(names) > 8 else ''}"
+                for what, names in (
+                    ("differ from the sync", sorted(differ)),
+                    ("not reported by the engine", sorted(absent)),
+                )
+                if names
+            ]
+            raise WeightSyncError(
+                "the engine does not serve the synced weights; " + "; ".join(found)
+            )
 
 
 _SAFETENSORS_DTYPES = {
@@ -315,7 +506,10 @@ def _load_buckets(llm_engine: Any, buckets: list[WeightBucket]) -> None:
         kwargs={"weights_iterator": iter_tensors(buckets), "is_checkpoint_format": True},
     )
     llm_engine.collective_rpc(_refresh_tied_lm_head)
-    llm_engine.reset_prefix_cache()
+    # Requests in flight (a paused partial rollout) are preempted and recomputed with the new
+    # weights, so no KV block computed with the old ones survives.
+    if not llm_engine.reset_prefix_cache(reset_running_requests=True):
+        raise EngineError("vLLM could not reset its prefix cache after a weight load")
 
 
 def _refresh_tied_lm_head(worker: Any) -> None:

@@ -18,12 +18,17 @@ from rlhf.rollout.buckets import (
 )
 from rlhf.rollout.config import EngineConfig
 from rlhf.rollout.engine import EngineError, VLLMEngine, read_checkpoint_params
+from rlhf.rollout.pool import EnginePool
+from rlhf.rollout.ray_engine import EngineActor, RayEngine, spawn_engines
 
 __all__ = [
     "CHECKSUMS",
     "BucketHeader",
+    "EngineActor",
     "EngineConfig",
     "EngineError",
+    "EnginePool",
+    "RayEngine",
     "TensorMeta",
     "VLLMEngine",
     "WeightBucket",
@@ -32,5 +37,6 @@ __all__ = [
     "checksum",
     "iter_tensors",
     "read_checkpoint_params",
+    "spawn_engines",
     "validate_sync",
 ]

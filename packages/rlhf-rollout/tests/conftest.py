@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from rlhf.rollout import EngineConfig, TensorMeta, VLLMEngine, WeightBucket, checksum
+from rlhf.rollout import EngineConfig, VLLMEngine, WeightBucket, pack_buckets
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -76,59 +76,11 @@ def tokenizer(checkpoint) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(checkpoint)
 
 
-def _pack(
-    state: dict[str, torch.Tensor],
-    *,
-    version: int,
-    bucket_bytes: int,
-    algorithm: str = "blake2b-128",
-) -> list[WeightBucket]:
-    """A reference packer written from the format's description (the learner has its own)."""
-    groups, current, size = [], [], 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > bucket_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append((name, tensor))
-        size += nbytes
-    if current:
-        groups.append(current)
-    buckets = []
-    for index, group in enumerate(groups):
-        metas, chunks, offset = [], [], 0
-        for name, tensor in group:
-            data = (
-                tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
-                if tensor.numel()
-                else b""
-            )
-            metas.append(
-                TensorMeta(
-                    name,
-                    str(tensor.dtype).removeprefix("torch."),
-                    tuple(tensor.shape),
-                    offset,
-                    checksum(data, algorithm),
-                )
-            )
-            chunks.append(data)
-            offset += len(data)
-        buffer = b"".join(chunks)
-        buckets.append(
-            WeightBucket(
-                version,
-                index,
-                len(groups),
-                tuple(metas),
-                buffer,
-                checksum(buffer, algorithm),
-                algorithm,
-            )
-        )
-    return buckets
+def _pack(state: dict[str, torch.Tensor], **kwargs) -> list[WeightBucket]:
+    return pack_buckets(state.items(), **kwargs)
 
 
 @pytest.fixture(scope="session")
 def pack():
+    """Packs a state dict into a sync: ``pack(state, version=…, bucket_bytes=…)``."""
     return _pack

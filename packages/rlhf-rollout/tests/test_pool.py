@@ -245,9 +245,9 @@ def test_host_transports_sync_both_engines(ray_engines, checkpoint, pack, transp
 def test_a_corrupted_bucket_over_shared_memory_is_rejected(ray_engines, checkpoint, pack) -> None:
     state = load_file(str(checkpoint / "model.safetensors"))
     buckets = pack({k: v * 2 for k, v in state.items()}, version=30, bucket_bytes=64 * 1024)
-    bad = bytearray(buckets[1].buffer)
+    bad = buckets[1].buffer.clone()
     bad[5] ^= 1
-    buckets[1] = dataclasses.replace(buckets[1], buffer=bytes(bad))
+    buckets[1] = dataclasses.replace(buckets[1], buffer=bad)
     before = _greedy_all(ray_engines)
     with (
         send_shared_memory(buckets) as sync,

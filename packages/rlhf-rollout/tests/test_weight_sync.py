@@ -93,12 +93,12 @@ def test_update_from_buckets_equals_loading_from_disk(engine, new_weights, pack)
 
 
 def _corrupt_byte(bucket: WeightBucket, *, fix_bucket_checksum: bool) -> WeightBucket:
-    buf = bytearray(bucket.buffer)
+    buf = bucket.buffer.clone()
     buf[bucket.tensors[0].offset] ^= 0xFF
     return dataclasses.replace(
         bucket,
-        buffer=bytes(buf),
-        checksum=checksum(bytes(buf)) if fix_bucket_checksum else bucket.checksum,
+        buffer=buf,
+        checksum=checksum(buf) if fix_bucket_checksum else bucket.checksum,
     )
 
 

@@ -13,10 +13,13 @@ from rlhf.rollout.buckets import (
     WeightSyncError,
     as_uint8,
     checksum,
+    header_from_wire,
     iter_tensors,
+    pack_buckets,
     validate_sync,
 )
 from rlhf.rollout.config import EngineConfig
+from rlhf.rollout.conformance import ConformanceReport, check_logprobs, processed_logprobs
 from rlhf.rollout.engine import EngineError, VLLMEngine, read_checkpoint_params
 from rlhf.rollout.pool import EnginePool
 from rlhf.rollout.ray_engine import EngineActor, RayEngine, spawn_engines
@@ -24,6 +27,7 @@ from rlhf.rollout.ray_engine import EngineActor, RayEngine, spawn_engines
 __all__ = [
     "CHECKSUMS",
     "BucketHeader",
+    "ConformanceReport",
     "EngineActor",
     "EngineConfig",
     "EngineError",
@@ -34,8 +38,12 @@ __all__ = [
     "WeightBucket",
     "WeightSyncError",
     "as_uint8",
+    "check_logprobs",
     "checksum",
+    "header_from_wire",
     "iter_tensors",
+    "pack_buckets",
+    "processed_logprobs",
     "read_checkpoint_params",
     "spawn_engines",
     "validate_sync",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,8 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
+
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 Buffer = bytes | bytearray | memoryview | torch.Tensor | Any
 """A bucket buffer: a bytes-like object or a 1-D ``torch.uint8`` tensor (any device)."""
@@ -210,6 +212,34 @@ class BucketHeader:
     checksum: str
     checksum_algorithm: str = "blake2b-128"
 
+    def to_wire(self) -> dict[str, Any]:
+        """The header as plain data (`header_from_wire` reads it back).
+
+        This is the cross-package contract: a sender that cannot import ``rlhf.rollout`` (the
+        learner) builds these dicts itself::
+
+            {
+                "version": int,
+                "index": int,
+                "total": int,
+                "nbytes": int,
+                "checksum": str,
+                "checksum_algorithm": str,
+                "tensors": [[name, dtype, [dim, ...], offset, checksum], ...],
+            }
+        """
+        return {
+            "version": self.version,
+            "index": self.index,
+            "total": self.total,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+            "checksum_algorithm": self.checksum_algorithm,
+            "tensors": [
+                [t.name, t.dtype, list(t.shape), t.offset, t.checksum] for t in self.tensors
+            ],
+        }
+
     def with_buffer(self, buffer: Buffer) -> WeightBucket:
         """The bucket carrying ``buffer`` (which must be ``nbytes`` long)."""
         return WeightBucket(
@@ -225,6 +255,41 @@ class BucketHeader:
 
 class WeightSyncError(ValueError):
     """A sync was rejected; the engine keeps serving its previous weights."""
+
+
+_WIRE_KEYS = ("version", "index", "total", "nbytes", "checksum", "checksum_algorithm", "tensors")
+
+
+def header_from_wire(header: BucketHeader | Mapping[str, Any]) -> BucketHeader:
+    """A `BucketHeader` from its plain-data form (`BucketHeader.to_wire`); headers pass through.
+
+    Raises:
+        WeightSyncError: naming the missing or malformed field.
+    """
+    if isinstance(header, BucketHeader):
+        return header
+    missing = [k for k in _WIRE_KEYS if k not in header]
+    if missing:
+        raise WeightSyncError(f"bucket header lacks {missing}; it has {sorted(header)}")
+    try:
+        tensors = tuple(
+            TensorMeta(str(n), str(d), tuple(int(x) for x in shape), int(o), str(c))
+            for n, d, shape, o, c in header["tensors"]
+        )
+        return BucketHeader(
+            int(header["version"]),
+            int(header["index"]),
+            int(header["total"]),
+            tensors,
+            int(header["nbytes"]),
+            str(header["checksum"]),
+            str(header["checksum_algorithm"]),
+        )
+    except (TypeError, ValueError) as exc:
+        raise WeightSyncError(
+            f"malformed bucket header (index {header.get('index')!r}): {exc}; tensors must be "
+            "[name, dtype, shape, offset, checksum] entries"
+        ) from exc
 
 
 def validate_sync(
@@ -303,6 +368,78 @@ def validate_sync(
     if found:
         raise WeightSyncError("weight sync rejected; " + "; ".join(found))
     return next(iter(versions))
+
+
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    bucket_bytes: int,
+    algorithm: str = "blake2b-128",
+    align: int = 64,
+) -> list[WeightBucket]:
+    """Pack tensors into a sync (the sender's side, for trainers outside rlhf).
+
+    Tensors are taken in order and packed into buckets of at most ``bucket_bytes`` (a larger
+    tensor gets a bucket of its own), each at an offset aligned to ``align`` bytes so the
+    receiver views them without copying. Buffers are 1-D uint8 tensors on the tensors' device
+    (a GPU sender packs and checksums on the GPU; use ``wsum64`` there). ``rlhf.learner`` has
+    its own sender (it gathers sharded parameters); both write this format.
+
+    Args:
+        named_tensors: ``(checkpoint name, tensor)`` pairs, all on one device.
+        version: Weight version of the sync.
+        bucket_bytes: Target bucket size.
+        algorithm: A key of `CHECKSUMS`.
+        align: Byte alignment of each tensor in its bucket (a multiple of 8).
+
+    Returns:
+        The buckets, indices 0..total-1.
+    """
+    if bucket_bytes < 1 or align < 8 or align % 8:
+        raise ValueError(
+            f"need bucket_bytes >= 1 and align a multiple of 8, got {bucket_bytes}, {align}"
+        )
+    if algorithm not in CHECKSUMS:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {sorted(CHECKSUMS)}")
+    digest = CHECKSUMS[algorithm]
+    groups: list[list[tuple[str, torch.Tensor, int]]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ValueError(
+                f"{name}: dtype {tensor.dtype} has no wire name; known {sorted(DTYPES)}"
+            )
+        offset = -(-size // align) * align
+        nbytes = tensor.numel() * tensor.element_size()
+        if not groups or (offset + nbytes > bucket_bytes and groups[-1]):
+            groups.append([])
+            offset = 0
+        groups[-1].append((name, tensor, offset))
+        size = offset + nbytes
+    packed = []
+    for index, group in enumerate(groups):
+        _, last, last_offset = group[-1]
+        device = last.device
+        buffer = torch.zeros(
+            last_offset + last.numel() * last.element_size(), dtype=torch.uint8, device=device
+        )
+        metas = []
+        for name, tensor, offset in group:
+            raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            view = buffer[offset : offset + raw.numel()]
+            view.copy_(raw)
+            metas.append(
+                TensorMeta(
+                    name, _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), offset, digest(view)
+                )
+            )
+        packed.append(
+            WeightBucket(
+                version, index, len(groups), tuple(metas), buffer, digest(buffer), algorithm
+            )
+        )
+    return packed
 
 
 def iter_tensors(buckets: Sequence[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -22,6 +22,8 @@ class EngineConfig:
         max_num_seqs: Sequences batched per engine step.
         enable_sleep_mode: Allow `VLLMEngine.sleep` / `wake_up` (CUDA only: vLLM's cumem
             allocator); starting with it on a platform without sleep mode is an error.
+        attention_backend: vLLM attention backend name (e.g. ``FLASH_ATTN``, ``TRITON_ATTN``,
+            ``FLEX_ATTENTION``), or None for vLLM's choice.
     """
 
     model: str
@@ -35,6 +37,7 @@ class EngineConfig:
     cpu_kv_cache_gib: int = 1
     max_num_seqs: int = 64
     enable_sleep_mode: bool = False
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

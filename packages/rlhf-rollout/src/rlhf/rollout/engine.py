@@ -163,6 +163,7 @@ class VLLMEngine:
             max_num_seqs=c.max_num_seqs,
             enable_sleep_mode=c.enable_sleep_mode,
             logprobs_mode="processed_logprobs",
+            **({"attention_backend": c.attention_backend} if c.attention_backend else {}),
         )
         return LLMEngine.from_engine_args(args)
 
@@ -398,6 +399,13 @@ class VLLMEngine:
         Returns:
             The new weight version.
         """
+        if self.config.tensor_parallel_size != 1:
+            # The loader runs in this process; with tensor parallelism vLLM's workers are other
+            # processes, which would each have to receive their shard themselves.
+            raise EngineError(
+                "live weight updates need vllm.tensor_parallel_size=1 for now; with tensor "
+                "parallelism, restart the engine from an exported checkpoint"
+            )
         version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
         self.call(_load_buckets, list(buckets))
         self.weight_version = version

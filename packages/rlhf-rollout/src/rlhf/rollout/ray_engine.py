@@ -18,6 +18,7 @@ from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.buckets import WeightBucket
 from rlhf.rollout.config import EngineConfig
 from rlhf.rollout.engine import VLLMEngine
+from rlhf.rollout.transports.cuda_ipc import CudaIpcSync, receive_cuda_ipc
 from rlhf.rollout.transports.host import SharedMemorySync, receive_shared_memory
 
 
@@ -26,6 +27,7 @@ class EngineActor:
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = VLLMEngine(config).start()
+        self.group: Any = None  # NcclGroup with the learner, once `init_weight_group` ran
 
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -58,6 +60,49 @@ class EngineActor:
 
         return await asyncio.to_thread(load)
 
+    async def update_weights_from_cuda_ipc(
+        self,
+        sync: CudaIpcSync | Mapping[str, Any],
+        *,
+        require_all: bool = True,
+        verify: bool = False,
+    ) -> int:
+        """Load a sync shared by CUDA IPC from a process on the same GPU."""
+
+        def load() -> int:
+            buckets = receive_cuda_ipc(sync)
+            return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
+
+        return await asyncio.to_thread(load)
+
+    async def init_weight_group(self, unique_id: Sequence[int], rank: int, world_size: int) -> None:
+        """Join the learner's NCCL group (blocks until every rank has joined)."""
+        from rlhf.rollout.transports.nccl import NcclGroup
+
+        def join() -> None:
+            if self.group is not None:
+                self.group.close()
+            self.group = NcclGroup(unique_id=unique_id, rank=rank, world_size=world_size)
+
+        await asyncio.to_thread(join)
+
+    async def update_weights_from_nccl(
+        self,
+        headers: Sequence[Any],
+        *,
+        require_all: bool = True,
+        verify: bool = False,
+    ) -> int:
+        """Receive one broadcast buffer per header from the group's rank 0, then load."""
+        if self.group is None:
+            raise RuntimeError("call init_weight_group() before update_weights_from_nccl()")
+
+        def load() -> int:
+            buckets = self.group.receive_buckets(headers)
+            return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
+
+        return await asyncio.to_thread(load)
+
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A blocking `VLLMEngine` method (pause, resume, sleep, weight_checksums, …)."""
         if method.startswith("_") or method in ("start", "generate"):
@@ -71,6 +116,9 @@ class EngineActor:
         return self.engine.weight_version
 
     def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
         self.engine.shutdown()
 
 
@@ -124,6 +172,37 @@ class RayEngine:
             self.handle.update_weights_from_shared_memory.remote(
                 sync, require_all=require_all, verify=verify
             )
+        )
+
+    def update_weights_from_cuda_ipc(
+        self,
+        sync: CudaIpcSync | Mapping[str, Any],
+        *,
+        require_all: bool = True,
+        verify: bool = False,
+    ) -> int:
+        """Load a sync shared by CUDA IPC (the sender keeps its buffers alive until this
+        returns)."""
+        import ray
+
+        return ray.get(
+            self.handle.update_weights_from_cuda_ipc.remote(
+                sync, require_all=require_all, verify=verify
+            )
+        )
+
+    def init_weight_group(self, unique_id: Sequence[int], rank: int, world_size: int) -> Any:
+        """Start joining the learner's NCCL group; returns the call's object ref at once (the
+        sender joins as rank 0 at the same time, then ``ray.get`` the refs)."""
+        return self.handle.init_weight_group.remote(tuple(unique_id), rank, world_size)
+
+    def update_weights_from_nccl(
+        self, headers: Sequence[Any], *, require_all: bool = True, verify: bool = False
+    ) -> Any:
+        """Start receiving a sync over NCCL; returns the call's object ref at once (the sender
+        then broadcasts the buffers; ``ray.get`` gives the new weight version)."""
+        return self.handle.update_weights_from_nccl.remote(
+            list(headers), require_all=require_all, verify=verify
         )
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

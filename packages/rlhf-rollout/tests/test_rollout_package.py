@@ -18,3 +18,31 @@ def test_rollout_version_train() -> None:
     requires = importlib.metadata.requires("rlhf-rollout") or []
     siblings = [r for r in requires if r.startswith("rlhf-")]
     assert all(r.endswith(f"=={version}") for r in siblings), siblings
+
+
+def test_readme_example_runs() -> None:
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, check=False, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    # vLLM logs to stdout too; keep the example's own prints.
+    lines = [line for line in out.stdout.splitlines() if line.strip() and line[0] != "("]
+    assert lines[-3:] == ["2 [True, True]", "1", "True"]
+
+
+def test_every_public_name_is_documented_in_the_readme() -> None:
+    import pathlib
+
+    import rlhf.rollout
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    missing = [name for name in rlhf.rollout.__all__ if f"`{name}" not in text]
+    assert not missing, missing

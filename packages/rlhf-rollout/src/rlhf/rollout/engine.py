@@ -103,6 +103,9 @@ class VLLMEngine:
         self._dead: BaseException | None = None
         self._paused = False
         self._sleeping = False
+        # Why the served weights are unknown (a level-2 sleep, a failed verification), or None;
+        # while set, generate() refuses and update_weights() always verifies.
+        self._unverified: str | None = None
         self._requests_done = 0
         self._tokens_generated = 0
         self._aborted = 0
@@ -296,6 +299,11 @@ class VLLMEngine:
             raise EngineError("call start() before generate()")
         if self._dead is not None:
             raise EngineError(f"the engine is not serving: {self._dead!r}")
+        if self._unverified is not None:
+            raise EngineError(
+                f"the engine's weights are unknown ({self._unverified}); sync them with "
+                "update_weights(), which verifies them, before generating"
+            )
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -338,7 +346,8 @@ class VLLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory (level 1: offload weights to host and drop the KV cache; level 2:
-        drop both). Needs ``enable_sleep_mode`` and no request in flight."""
+        drop both, and `generate` refuses until a sync has verified). Needs
+        ``enable_sleep_mode`` and no request in flight."""
         if not self.config.enable_sleep_mode:
             raise EngineError(
                 "sleep() needs the engine started with vllm.enable_sleep_mode=True "
@@ -356,6 +365,8 @@ class VLLMEngine:
             )
         llm_engine.sleep(level)
         self._sleeping = True
+        if level == 2:
+            self._unverified = "a level-2 sleep discarded them"
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Restore what `sleep` freed: everything, or only ``tags`` (``weights``,
@@ -411,7 +422,8 @@ class VLLMEngine:
             buckets: The sync.
             require_all: Every checkpoint tensor must be in the sync.
             verify: Read the loaded weights back from the engine and compare
-                (`verify_weights`).
+                (`verify_weights`); always done while the served weights are unknown (after
+                a level-2 sleep or a failed verification).
 
         Returns:
             The new weight version.
@@ -426,7 +438,7 @@ class VLLMEngine:
         version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
         self.call(_load_buckets, list(buckets))
         self.weight_version = version
-        if verify:
+        if verify or self._unverified is not None:
             self.verify_weights(buckets)
         return version
 
@@ -455,8 +467,8 @@ class VLLMEngine:
 
         Raises:
             WeightSyncError: naming every parameter that differs or that the engine does not
-                report; `weight_version` is then set to -1 (the weights are in an unknown state
-                until a sync verifies).
+                report; `weight_version` is then set to -1 and `generate` refuses until a
+                sync verifies (the weights are in an unknown state).
         """
         algorithm = buckets[0].checksum_algorithm if buckets else "blake2b-128"
         live = self.weight_checksums(algorithm)
@@ -476,6 +488,7 @@ class VLLMEngine:
                 differ.append(name)
         if differ or absent:
             self.weight_version = -1
+            self._unverified = "the last verification failed"
             found = [
                 f"{what}: {names[:8]}{' …' if len(names) > 8 else ''}"
                 for what, names in (
@@ -487,6 +500,7 @@ class VLLMEngine:
             raise WeightSyncError(
                 "the engine does not serve the synced weights; " + "; ".join(found)
             )
+        self._unverified = None
 
 
 _SAFETENSORS_DTYPES = {

@@ -1,13 +1,15 @@
-"""The rlhf-learner distribution installs as a portion of the rlhf namespace."""
+"""The rlhf-learner distribution: namespace portion, version train, README example, light import."""
 
 import importlib
 import importlib.metadata
 import importlib.resources
+import pathlib
+import subprocess
+import sys
 
 
 def test_learner_imports_as_namespace_portion() -> None:
     rlhf = importlib.import_module("rlhf")
-    # PEP 420: the shared top level has no __init__.py, hence no __file__.
     assert getattr(rlhf, "__file__", None) is None
     module = importlib.import_module("rlhf.learner")
     assert importlib.resources.files(module).joinpath("py.typed").is_file()
@@ -17,4 +19,28 @@ def test_learner_version_train() -> None:
     version = importlib.metadata.version("rlhf-learner")
     requires = importlib.metadata.requires("rlhf-learner") or []
     siblings = [r for r in requires if r.startswith("rlhf-")]
-    assert all(r.endswith(f"=={version}") for r in siblings), siblings
+    assert siblings and all(r.endswith(f"=={version}") for r in siblings), siblings
+
+
+def test_import_needs_neither_deepspeed_nor_ray() -> None:
+    code = "import sys, rlhf.learner; print(sorted({'deepspeed', 'ray'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_readme_example_runs() -> None:
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    out = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, check=False, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_every_public_name_is_documented_in_the_readme() -> None:
+    import rlhf.learner
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    missing = [name for name in rlhf.learner.__all__ if f"`{name}" not in text]
+    assert not missing, missing

@@ -1,5 +1,100 @@
-"""rlhf.learner: The training side of rlhf.
+"""rlhf.learner: the training side of rlhf.
 
-This package is at its foundation stage: it builds, installs and imports, and carries the
-namespace, typing marker and dependency pins. Its contents arrive with issue 5.
+Backend-neutral parts (configs, batches, objectives, checkpoint layout, weight buckets, data
+rows) import with torch and transformers alone; `DeepSpeedBackend` needs ``rlhf-learner
+[deepspeed]`` and `LearnerGroup` ``rlhf-learner[ray]``, both imported lazily. It may import
+``rlhf.algos`` only.
 """
+
+from typing import TYPE_CHECKING, Any
+
+from rlhf.learner.backend import Backend, Objective
+from rlhf.learner.batch import Batch, collate, micro_batches, shard
+from rlhf.learner.checkpoint import (
+    CheckpointError,
+    complete_checkpoints,
+    final_dir,
+    latest_checkpoint,
+    staging_dir,
+)
+from rlhf.learner.config import (
+    ROLE_KINDS,
+    DeepSpeedConfig,
+    LearnerConfig,
+    ModelConfig,
+    OptimizerConfig,
+)
+from rlhf.learner.data import DataError, TokenRow, preference_row, sft_row
+from rlhf.learner.forward import sequence_scores, token_logprobs, token_values
+from rlhf.learner.models import ModelLoadError, check_model_dir, fingerprint, load_model
+from rlhf.learner.objectives import (
+    CriticObjective,
+    DPOObjective,
+    PPOActorObjective,
+    RewardModelObjective,
+    SFTObjective,
+    sequence_logps,
+)
+from rlhf.learner.optim import build_optimizer, lr_lambda, param_groups
+from rlhf.learner.weights import count_buckets, iter_buckets
+
+if TYPE_CHECKING:
+    from rlhf.learner.deepspeed_backend import DeepSpeedBackend
+    from rlhf.learner.ray_group import LearnerGroup
+
+_LAZY = {
+    "DeepSpeedBackend": "rlhf.learner.deepspeed_backend",
+    "LearnerGroup": "rlhf.learner.ray_group",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rlhf.learner' has no attribute {name!r}")
+
+
+__all__ = [
+    "ROLE_KINDS",
+    "Backend",
+    "Batch",
+    "CheckpointError",
+    "CriticObjective",
+    "DPOObjective",
+    "DataError",
+    "DeepSpeedBackend",
+    "DeepSpeedConfig",
+    "LearnerConfig",
+    "LearnerGroup",
+    "ModelConfig",
+    "ModelLoadError",
+    "Objective",
+    "OptimizerConfig",
+    "PPOActorObjective",
+    "RewardModelObjective",
+    "SFTObjective",
+    "TokenRow",
+    "build_optimizer",
+    "check_model_dir",
+    "collate",
+    "complete_checkpoints",
+    "count_buckets",
+    "final_dir",
+    "fingerprint",
+    "iter_buckets",
+    "latest_checkpoint",
+    "load_model",
+    "lr_lambda",
+    "micro_batches",
+    "param_groups",
+    "preference_row",
+    "sequence_logps",
+    "sequence_scores",
+    "sft_row",
+    "shard",
+    "staging_dir",
+    "token_logprobs",
+    "token_values",
+]

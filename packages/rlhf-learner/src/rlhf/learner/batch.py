@@ -1,0 +1,151 @@
+"""Micro-batches: right-padded token sequences plus named per-token and per-sequence tensors.
+
+Per-token tensors are aligned with ``input_ids``: position ``t`` of ``action_mask``,
+``old_logprobs``, ``advantages``, … refers to token ``t`` (its log-prob is that of token ``t``
+given tokens ``< t``; position 0, the first prompt token, is never an action). This is how
+``rlhf.agents.Trajectory`` aligns them, so a trajectory's lists become a row as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Batch:
+    """One micro-batch.
+
+    Attributes:
+        input_ids: (B, L) token ids, right-padded.
+        attention_mask: (B, L) 1 on real tokens.
+        fields: Named tensors, (B, L) per token or (B,) per sequence (``action_mask``,
+            ``old_logprobs``, ``ref_logprobs``, ``rollout_logprobs``, ``advantages``,
+            ``returns``, ``old_values``, ``loss_mask``, ``ref_logps``, …).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    fields: dict[str, Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Tensor:
+        try:
+            return self.fields[name]
+        except KeyError:
+            raise KeyError(
+                f"this step needs batch field {name!r}; the batch has {sorted(self.fields)}"
+            ) from None
+
+    def get(self, name: str) -> Tensor | None:
+        """The field, or None when absent."""
+        return self.fields.get(name)
+
+    @property
+    def size(self) -> int:
+        """B."""
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> Batch:
+        """A copy on ``device``."""
+        return Batch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            {k: v.to(device) for k, v in self.fields.items()},
+        )
+
+    def select(self, rows: Sequence[int]) -> Batch:
+        """The rows ``rows``, trimmed to their longest sequence."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        mask = self.attention_mask[index]
+        length = max(int(mask.sum(dim=1).max()), 1) if len(index) else 1
+        per_token = self.input_ids.shape[1]
+        fields = {
+            k: (v[index][:, :length] if v.dim() >= 2 and v.shape[1] == per_token else v[index])
+            for k, v in self.fields.items()
+        }
+        return Batch(self.input_ids[index][:, :length], mask[:, :length], fields)
+
+
+def collate(
+    rows: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int,
+    per_token: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    per_sequence: Mapping[str, Sequence[float]] | None = None,
+) -> Batch:
+    """Right-pad token rows (and aligned per-token values) into a `Batch`.
+
+    Args:
+        rows: Token ids per sequence.
+        pad_token_id: Id written into padding positions (masked everywhere).
+        per_token: Name → one list per row, each as long as its row (padding gets 0).
+        per_sequence: Name → one number per row.
+    """
+    if not rows:
+        raise ValueError("collate needs at least one row")
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, : len(r)] = 1
+    fields: dict[str, Tensor] = {}
+    for name, values in (per_token or {}).items():
+        if len(values) != len(rows):
+            raise ValueError(f"per_token[{name!r}] has {len(values)} rows, expected {len(rows)}")
+        t = torch.zeros((len(rows), length), dtype=torch.float32)
+        for i, (v, r) in enumerate(zip(values, rows, strict=True)):
+            if len(v) != len(r):
+                raise ValueError(
+                    f"per_token[{name!r}] row {i} has {len(v)} values for {len(r)} tokens"
+                )
+            t[i, : len(v)] = torch.tensor(list(v), dtype=torch.float32)
+        fields[name] = t
+    for name, values in (per_sequence or {}).items():
+        if len(values) != len(rows):
+            raise ValueError(
+                f"per_sequence[{name!r}] has {len(values)} values for {len(rows)} rows"
+            )
+        fields[name] = torch.tensor(list(values), dtype=torch.float32)
+    return Batch(ids, mask, fields)
+
+
+def micro_batches(
+    batch: Batch, *, max_tokens: int | None = None, max_rows: int | None = None
+) -> list[list[int]]:
+    """Rows of ``batch`` grouped into micro-batches, keeping row order.
+
+    A micro-batch holds at most ``max_rows`` rows and, padded to its longest row, at most
+    ``max_tokens`` tokens (a longer single row gets a micro-batch of its own).
+    """
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    groups: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if groups:
+            rows = len(groups[-1]) + 1
+            padded = max(longest, n) * rows
+            if (max_rows is None or rows <= max_rows) and (
+                max_tokens is None or padded <= max_tokens
+            ):
+                groups[-1].append(i)
+                longest = max(longest, n)
+                continue
+        groups.append([i])
+        longest = n
+    return groups
+
+
+def shard(groups: Sequence[Sequence[int]], world_size: int) -> list[list[list[int]]]:
+    """Deal micro-batches to ranks round-robin; every rank gets at least one when possible.
+
+    Returns:
+        Per rank, its micro-batches (lists of row indices).
+    """
+    per_rank: list[list[list[int]]] = [[] for _ in range(world_size)]
+    for i, g in enumerate(groups):
+        per_rank[i % world_size].append(list(g))
+    return per_rank

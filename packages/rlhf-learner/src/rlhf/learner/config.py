@@ -1,0 +1,120 @@
+"""Frozen configs of one learner role (flags ``--actor.*``, ``--critic.*``, …)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLE_KINDS = ("causal_lm", "scalar")
+"""``causal_lm``: actor, reference, SFT/DPO policy. ``scalar``: critic and reward model (a
+causal LM body with a one-output token head)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model a role holds and how it runs.
+
+    Attributes:
+        path: HF checkpoint directory (config, safetensors, tokenizer).
+        kind: One of `ROLE_KINDS`.
+        dtype: ``float32`` or ``bfloat16`` (training keeps fp32 master weights either way).
+        gradient_checkpointing: Recompute activations in the backward pass.
+        attn_implementation: transformers attention backend (``sdpa``, ``eager``,
+            ``flash_attention_2``).
+        init_value_head: For ``scalar`` roles loaded from a causal LM (no ``score`` head in the
+            checkpoint): initialise the head to zero, so initial values and rewards are 0.
+    """
+
+    path: str
+    kind: str = "causal_lm"
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    init_value_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROLE_KINDS:
+            raise ValueError(f"model.kind must be one of {ROLE_KINDS}, got {self.kind!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with warmup and cosine/linear/constant decay to a floor.
+
+    Attributes:
+        lr: Peak learning rate.
+        min_lr_ratio: Floor of the schedule as a fraction of ``lr``.
+        warmup_steps: Linear warmup from 0 over this many optimizer steps.
+        schedule: ``cosine``, ``linear`` or ``constant`` after warmup.
+        total_steps: Optimizer steps the schedule spans (decay ends there).
+        weight_decay: Decoupled weight decay; never applied to biases and norm weights.
+        betas: Adam betas.
+        eps: Adam epsilon.
+        grad_clip: Clip the global gradient norm to this; 0 disables.
+    """
+
+    lr: float = 1e-6
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    total_steps: int = 1000
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(
+                f"optimizer.schedule must be cosine, linear or constant, got {self.schedule!r}"
+            )
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError("optimizer.warmup_steps must be >= 0 and optimizer.total_steps >= 1")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError("optimizer.grad_clip and optimizer.weight_decay must be >= 0")
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """DeepSpeed engine options.
+
+    Attributes:
+        zero_stage: 0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients), 3 (+
+            parameters).
+        offload_optimizer: Keep optimizer state (and its step) on the CPU.
+        offload_params: Keep parameters on the CPU between uses (ZeRO-3 only).
+        bf16: Run the model in bfloat16 with fp32 master weights.
+    """
+
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("deepspeed.offload_params needs deepspeed.zero_stage=3")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """One role: its model, optimizer (None for eval-only roles) and engine.
+
+    Attributes:
+        model: The model.
+        optimizer: None for eval-only roles (reference, reward model in RL).
+        deepspeed: Engine options.
+        seed: Seed of parameter init (value heads) and of dropout RNGs.
+    """
+
+    model: ModelConfig
+    optimizer: OptimizerConfig | None = field(default_factory=OptimizerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    seed: int = 42

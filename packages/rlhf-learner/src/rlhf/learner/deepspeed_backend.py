@@ -1,0 +1,302 @@
+"""The DeepSpeed implementation of `rlhf.learner.Backend`.
+
+ZeRO 0–3, optimizer/parameter CPU offload, bf16 with fp32 master weights, gradient clipping,
+torch AdamW with the schedule of `rlhf.learner.optim` (no compiled extension is needed).
+
+Gradient accumulation is caller-owned (DeepSpeed's ``managed_gradient_accumulation=false``):
+one `train_step` runs every micro-batch of this rank, then one optimizer step, whatever the
+number of micro-batches. DeepSpeed averages gradients over data-parallel ranks, so each share
+is multiplied by the world size: the gradient is then exactly that of the global loss the
+objectives' normaliser defines. ZeRO-2/3 reduce inside every backward (and ZeRO-3 gathers
+parameters inside every forward), so all ranks must run the same number of passes: a rank with
+fewer micro-batches repeats its first one with weight 0.
+
+Under ZeRO-3 the model is built under ``transformers.integrations.HfDeepSpeedConfig`` (wrapping
+``from_pretrained`` in ``deepspeed.zero.Init`` fails with transformers 5.19).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pathlib
+import shutil
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf.learner import checkpoint as ckpt
+from rlhf.learner.backend import Objective
+from rlhf.learner.batch import Batch
+from rlhf.learner.config import LearnerConfig
+from rlhf.learner.models import fingerprint, load_model
+from rlhf.learner.optim import build_optimizer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed() -> None:
+    """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or make a
+    single-process group when none is set (gloo on CPU, NCCL on GPUs)."""
+    import deepspeed
+
+    if torch.distributed.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def ds_config(config: LearnerConfig) -> dict[str, Any]:
+    """The DeepSpeed JSON config of a role."""
+    ds = config.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    opt = config.optimizer
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": opt.grad_clip if opt is not None else 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": ds.bf16},
+        "zero_allow_untested_optimizer": True,
+        # A torch optimizer with offload (DeepSpeed's CPUAdam would need a compiled op).
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedBackend:
+    """One rank of one role on DeepSpeed.
+
+    Args:
+        config: The role. ``config.optimizer`` None makes it eval-only (reference, reward).
+    """
+
+    def __init__(self, config: LearnerConfig) -> None:
+        import deepspeed
+
+        init_distributed()
+        self.config = config
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = (
+            torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.seed)
+        self._ds_config = ds_config(config)
+        self._hf_ds: Any = None
+        if config.deepspeed.zero_stage == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds = HfDeepSpeedConfig(self._ds_config)  # must outlive the model build
+        model = load_model(config.model)
+        self.engine: Any = None
+        self.scheduler: Any = None
+        if config.optimizer is not None:
+            optimizer, scheduler = build_optimizer(model, config.optimizer)
+            self.engine, _, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self._ds_config
+            )
+            self._module = self.engine.module
+        elif config.deepspeed.zero_stage == 3:
+            self.engine, *_ = deepspeed.initialize(model=model, config=self._ds_config)
+            self._module = self.engine.module
+        else:
+            dtype = torch.bfloat16 if config.deepspeed.bf16 else None
+            self._module = model.to(device=self.device, dtype=dtype)
+        self._module.eval()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The unwrapped transformers model (parameters sharded under ZeRO-3)."""
+        return self._module
+
+    def _runner(self) -> Any:
+        return self.engine if self.engine is not None else self._module
+
+    def _passes(self, count: int) -> int:
+        """Passes every rank must run: the most any rank has."""
+        if self.world_size == 1:
+            return count
+        n = torch.tensor([count], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+        return int(n.item())
+
+    # -- training ------------------------------------------------------------------------
+    def train_step(
+        self,
+        micro_batches: Sequence[Batch],
+        objective: Objective,
+        *,
+        weights: Sequence[float] | None = None,
+    ) -> dict[str, float]:
+        """See `Backend.train_step`. ``weights`` (default 1 each) scale micro-batches; a
+        driver pads ranks with weight-0 copies where it has to."""
+        if self.engine is None or self.config.optimizer is None:
+            raise RuntimeError("this role is eval-only (no optimizer); it cannot train")
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch on every rank")
+        scale = [1.0] * len(micro_batches) if weights is None else list(weights)
+        passes = self._passes(len(micro_batches))
+        self.engine.train()
+        loss_total = 0.0
+        sums: dict[str, float] = {}
+        counted = 0
+        for i in range(passes):
+            real = i < len(micro_batches)
+            batch = micro_batches[i if real else 0].to(self.device)
+            w = scale[i] if real else 0.0
+            loss, metrics = objective(self.engine, batch)
+            self.engine.backward(loss * (w * self.world_size), scale_wrt_gas=False)
+            if real and w > 0:
+                loss_total += float(loss.detach()) * w
+                counted += 1
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        self.engine.step()
+        out = {k: v / max(counted, 1) for k, v in sums.items()}
+        out["loss"] = loss_total
+        norm = self.engine.get_global_grad_norm()
+        out["grad_norm"] = float(norm) if norm is not None else float("nan")
+        out["lr"] = float(self.engine.get_lr()[0])
+        self._module.eval()
+        return out
+
+    def forward(self, micro_batches: Sequence[Batch], fn: Any) -> list[Any]:
+        """``fn(model, batch)`` per micro-batch, no gradient, eval mode; results on the CPU."""
+        if not micro_batches:
+            raise ValueError("forward needs at least one micro-batch on every rank")
+        passes = self._passes(len(micro_batches))
+        runner = self._runner()
+        self._module.eval()
+        out = []
+        with torch.no_grad():
+            for i in range(passes):
+                batch = micro_batches[min(i, len(micro_batches) - 1)].to(self.device)
+                result = fn(runner, batch)
+                if i < len(micro_batches):
+                    out.append(_to_cpu(result))
+        return out
+
+    # -- checkpoints and export ----------------------------------------------------------
+    def fingerprint(self) -> dict[str, list[int]]:
+        """Parameter names → full shapes."""
+        return fingerprint(self._module)
+
+    def save_checkpoint(self, directory: str, *, client_state: Mapping[str, Any]) -> None:
+        """Write engine state (model, optimizer, scheduler) and this rank's RNG states."""
+        if self.engine is None or self.config.optimizer is None:
+            return  # an eval-only role is rebuilt from its model path
+        self.engine.save_checkpoint(
+            str(pathlib.Path(directory) / "backend"), tag="state", client_state=dict(client_state)
+        )
+        ckpt.write_rank_rng(directory, self.rank)
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Validate ``directory`` against this model, then restore everything
+        `save_checkpoint` wrote; returns the driver's trainer state."""
+        state = ckpt.validate(directory, self.fingerprint())
+        if self.engine is None or self.config.optimizer is None:
+            return state
+        path, _ = self.engine.load_checkpoint(
+            str(pathlib.Path(directory) / "backend"),
+            tag="state",
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        if path is None:
+            raise ckpt.CheckpointError(f"DeepSpeed found no engine state in {directory}/backend")
+        ckpt.restore_rank_rng(directory, self.rank)
+        return state
+
+    def named_full_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """Each parameter unsharded (gathered one at a time under ZeRO-3); a yielded tensor
+        is valid until the next one is requested."""
+        zero3 = self.config.deepspeed.zero_stage == 3 and self.engine is not None
+        for name, param in self._module.named_parameters():
+            if zero3:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    yield name, param.data
+            else:
+                yield name, param.data
+
+    def state_dict_on_rank0(self) -> dict[str, Tensor] | None:
+        """The full model state on the CPU at rank 0 (None elsewhere); all ranks call it."""
+        out: dict[str, Tensor] | None = {} if self.rank == 0 else None
+        for name, tensor in self.named_full_parameters():
+            if out is not None:
+                out[name] = tensor.detach().to("cpu", copy=True)
+        return out
+
+    def export_hf(self, directory: str) -> None:
+        """A transformers checkpoint of the full model (plus the source's tokenizer files),
+        written to a staging directory and moved into place (rank 0); all ranks call it."""
+        state = self.state_dict_on_rank0()
+        if state is None:
+            return
+        target = pathlib.Path(directory)
+        staging = target.with_name(f".staging-{target.name}")
+        shutil.rmtree(staging, ignore_errors=True)
+        self._module.save_pretrained(staging, state_dict=state, safe_serialization=True)
+        source = pathlib.Path(self.config.model.path)
+        for f in source.iterdir():
+            wanted = f.name.startswith("tokenizer") or f.name in _SIDE_FILES
+            if f.is_file() and wanted and not (staging / f.name).exists():
+                shutil.copy2(f, staging / f.name)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+
+    def close(self) -> None:
+        """Release the engine (the process group stays). Under ZeRO-3 this also ends
+        transformers' global ZeRO-3 mode, so the next model builds unpartitioned."""
+        self.engine = None
+        self._module = None  # type: ignore[assignment]
+        if self._hf_ds is not None:
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            self._hf_ds = None
+            unset_hf_deepspeed_config()
+        gc.collect()
+
+
+_SIDE_FILES = {"special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja"}
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,233 @@
+"""Train-step objectives: what one micro-batch contributes to the loss of a global batch.
+
+Each objective is a small frozen dataclass, picklable, so a driver can build it once and send
+it to every rank: ``objective(model, batch) -> (loss_share, metrics)``. ``normalizer`` is the
+global normaliser of the whole step (all micro-batches on all ranks), computed by the driver
+with `rlhf.algos.loss_normalizer` (or the number of sequences/pairs); the shares then add up to
+exactly the full-batch loss, however the batch is split. Backends undo their own data-parallel
+averaging (`Backend.train_step`), so gradients are those of that full-batch loss.
+
+- `PPOActorObjective`: policy loss (`rlhf.algos.policy_loss`), optional train/rollout
+  correction, KL loss (k1/k2/k3 against the reference) and entropy bonus.
+- `CriticObjective`: clipped value loss.
+- `SFTObjective`: token NLL over ``loss_mask``.
+- `RewardModelObjective`: pairwise loss; rows are all chosen, then all rejected.
+- `DPOObjective`: DPO/cDPO/IPO; rows as above; needs reference sequence log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhf.algos import (
+    AlgoConfig,
+    aggregate_loss,
+    clipped_value_loss,
+    dpo_loss,
+    kl_penalty,
+    policy_loss,
+    reward_model_loss,
+    sft_loss,
+)
+from rlhf.learner.batch import Batch
+from rlhf.learner.forward import sequence_scores, token_logprobs, token_values
+
+Metrics = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class PPOActorObjective:
+    """Actor loss of one PPO/GRPO/REINFORCE++ step.
+
+    Batch fields: ``action_mask``, ``old_logprobs``, ``advantages`` (B, L); ``ref_logprobs``
+    when ``algo.kl.use_loss``; ``rollout_logprobs`` with ``algo.rollout_correction``.
+
+    Attributes:
+        algo: Algorithm settings (loss variant, aggregation, KL, entropy, correction).
+        normalizer: Global normaliser of ``algo.loss_agg_mode`` over the step.
+        kl_coef: Current KL coefficient β (from the controller) for the KL loss.
+        temperature: Sampling temperature of the rollout.
+    """
+
+    algo: AlgoConfig
+    normalizer: float
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
+        algo = self.algo
+        want_entropy = algo.entropy_coef > 0
+        logprobs, entropy = token_logprobs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            temperature=self.temperature,
+            with_entropy=True,
+        )
+        mask = batch["action_mask"]
+        loss, metrics = policy_loss(
+            logprobs=logprobs,
+            old_logprobs=batch["old_logprobs"],
+            advantages=batch["advantages"],
+            action_mask=mask,
+            config=algo.policy_loss,
+            aggregation=algo.loss_agg_mode,
+            normalizer=self.normalizer,
+            max_len=algo.loss_agg_max_len,
+            rollout_logprobs=batch.get("rollout_logprobs"),
+            rollout_correction=algo.rollout_correction,
+        )
+        agg = {
+            "mode": algo.loss_agg_mode,
+            "normalizer": self.normalizer,
+            "max_len": algo.loss_agg_max_len,
+        }
+        if algo.kl.use_loss:
+            kl = kl_penalty(
+                logprobs=logprobs,
+                ref_logprobs=batch["ref_logprobs"],
+                action_mask=mask,
+                estimator=algo.kl.estimator,
+            )
+            kl_loss = aggregate_loss(kl, mask, **agg)
+            loss = loss + self.kl_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.detach()
+        assert entropy is not None
+        entropy_share = aggregate_loss(entropy if want_entropy else entropy.detach(), mask, **agg)
+        if want_entropy:
+            loss = loss - algo.entropy_coef * entropy_share
+        metrics["actor/entropy"] = entropy_share.detach()
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class CriticObjective:
+    """Clipped value loss. Batch fields: ``action_mask``, ``old_values``, ``returns``.
+
+    Attributes:
+        algo: Uses ``value_clip`` and the aggregation settings.
+        normalizer: Global normaliser of ``algo.loss_agg_mode``.
+    """
+
+    algo: AlgoConfig
+    normalizer: float
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
+        values = token_values(model, batch.input_ids, batch.attention_mask)
+        mask = batch["action_mask"]
+        per_token, metrics = clipped_value_loss(
+            values=values,
+            old_values=batch["old_values"],
+            returns=batch["returns"],
+            action_mask=mask,
+            clip_eps=self.algo.value_clip,
+        )
+        loss = aggregate_loss(
+            per_token,
+            mask,
+            mode=self.algo.loss_agg_mode,
+            normalizer=self.normalizer,
+            max_len=self.algo.loss_agg_max_len,
+        )
+        metrics["critic/value_loss"] = loss.detach()
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class SFTObjective:
+    """Token-mean NLL. Batch field: ``loss_mask`` (B, L), 1 on tokens to learn.
+
+    Attributes:
+        normalizer: Total number of loss tokens in the step.
+    """
+
+    normalizer: float
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
+        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+        return sft_loss(logprobs=logprobs, loss_mask=batch["loss_mask"], normalizer=self.normalizer)
+
+
+def _halves(batch: Batch, values: Tensor) -> tuple[Tensor, Tensor]:
+    if batch.size % 2:
+        raise ValueError(
+            f"a preference micro-batch holds chosen rows then rejected rows; got {batch.size} rows"
+        )
+    half = batch.size // 2
+    return values[:half], values[half:]
+
+
+@dataclass(frozen=True)
+class RewardModelObjective:
+    """Pairwise reward-model loss on the last-token scores. Optional field ``margin`` (B,).
+
+    Attributes:
+        normalizer: Number of pairs in the step.
+        loss_type: Name in `rlhf.algos.REWARD_MODEL_LOSSES`.
+    """
+
+    normalizer: float
+    loss_type: str = "sigmoid"
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
+        scores = sequence_scores(model, batch.input_ids, batch.attention_mask)
+        chosen, rejected = _halves(batch, scores)
+        margin = batch.get("margin")
+        return reward_model_loss(
+            chosen_rewards=chosen,
+            rejected_rewards=rejected,
+            margin=None if margin is None else _halves(batch, margin)[0],
+            loss_type=self.loss_type,
+            normalizer=self.normalizer,
+        )
+
+
+def sequence_logps(model: torch.nn.Module, batch: Batch) -> Tensor:
+    """Σ over ``loss_mask`` of the token log-probs: (B,) (DPO's log π(y|x))."""
+    logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    mask = batch["loss_mask"]
+    return torch.where(mask > 0, logprobs, torch.zeros_like(logprobs)).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class DPOObjective:
+    """DPO-family loss. Batch fields: ``loss_mask`` (B, L) on response tokens and
+    ``ref_logps`` (B,) from the reference model (`sequence_logps`).
+
+    Attributes:
+        normalizer: Number of pairs in the step.
+        beta: β.
+        loss_type: Name in `rlhf.algos.PREFERENCE_LOSSES`.
+        label_smoothing: cDPO's ε.
+        nll_coef: Weight of an NLL term on the chosen responses (per token).
+    """
+
+    normalizer: float
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    nll_coef: float = 0.0
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
+        logps = sequence_logps(model, batch)
+        chosen, rejected = _halves(batch, logps)
+        ref_chosen, ref_rejected = _halves(batch, batch["ref_logps"])
+        chosen_nll = None
+        if self.nll_coef > 0:
+            tokens = _halves(batch, batch["loss_mask"].sum(dim=1))[0].clamp(min=1)
+            chosen_nll = -chosen / tokens
+        return dpo_loss(
+            chosen_logps=chosen,
+            rejected_logps=rejected,
+            ref_chosen_logps=ref_chosen,
+            ref_rejected_logps=ref_rejected,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,
+            chosen_nll=chosen_nll,
+            nll_coef=self.nll_coef,
+            normalizer=self.normalizer,
+        )

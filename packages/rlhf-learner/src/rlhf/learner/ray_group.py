@@ -1,0 +1,225 @@
+"""A role's ranks as Ray actors: one process per data-parallel rank, set up for
+``torch.distributed`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+`LearnerGroup` splits work across its ranks and gathers results; the driver (the CLI) never
+holds model weights. Ray is imported when a group is created (``rlhf-learner[ray]``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rlhf.learner import checkpoint as ckpt
+from rlhf.learner.batch import Batch, micro_batches, shard
+from rlhf.learner.config import LearnerConfig
+
+
+class RankWorker:
+    """The actor body of one rank (wrapped with ``ray.remote`` by `LearnerGroup`)."""
+
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=os.environ.get("RLHF_LOCAL_RANK", "0"),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        self.rank = rank
+        self.backend: Any = None
+
+    def build(self, config: LearnerConfig) -> dict[str, list[int]]:
+        """(Re)build the role's backend; returns the model's fingerprint."""
+        from rlhf.learner.deepspeed_backend import DeepSpeedBackend
+
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+        self.backend = DeepSpeedBackend(config)
+        return self.backend.fingerprint()
+
+    def train_step(
+        self, micro: Sequence[Batch], objective: Any, weights: Sequence[float]
+    ) -> dict[str, float]:
+        return self.backend.train_step(micro, objective, weights=weights)
+
+    def forward(self, micro: Sequence[Batch], fn: Any) -> list[Any]:
+        return self.backend.forward(micro, fn)
+
+    def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> None:
+        self.backend.save_checkpoint(directory, client_state=client_state)
+
+    def finalize_checkpoint(
+        self, root: str, step: int, client_state: Mapping[str, Any], keep: int | None
+    ) -> str:
+        return str(
+            ckpt.finalize(
+                root,
+                step,
+                fingerprint=self.backend.fingerprint(),
+                client_state=client_state,
+                keep=keep,
+            )
+        )
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        return self.backend.load_checkpoint(directory)
+
+    def export_hf(self, directory: str) -> None:
+        self.backend.export_hf(directory)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(backend, *args)`` in this rank's process."""
+        return fn(self.backend, *args)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LearnerGroup:
+    """The ranks of one role.
+
+    Args:
+        num_ranks: Data-parallel ranks (processes).
+        num_cpus_per_rank: CPUs each rank reserves in Ray.
+        num_gpus_per_rank: GPUs each rank reserves (0 on CPU machines).
+        env: Extra environment variables of the rank processes.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_ranks: int,
+        num_cpus_per_rank: float = 1.0,
+        num_gpus_per_rank: float = 0.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        import ray
+
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        port = _free_port()
+        actor = ray.remote(RankWorker).options(  # type: ignore[attr-defined]
+            num_cpus=num_cpus_per_rank,
+            num_gpus=num_gpus_per_rank,
+            runtime_env={"env_vars": dict(env or {})},
+        )
+        self.workers = [
+            actor.remote(rank=r, world_size=num_ranks, master_addr="127.0.0.1", master_port=port)
+            for r in range(num_ranks)
+        ]
+        self.world_size = num_ranks
+
+    def _all(
+        self, method: str, *args: Any, per_rank: Sequence[Sequence[Any]] | None = None
+    ) -> list:
+        import ray
+
+        if per_rank is None:
+            refs = [getattr(w, method).remote(*args) for w in self.workers]
+        else:
+            refs = [
+                getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank, strict=True)
+            ]
+        return ray.get(refs)
+
+    def build(self, config: LearnerConfig) -> dict[str, list[int]]:
+        """Build the role on every rank (they meet in one process group)."""
+        return self._all("build", config)[0]
+
+    def split(
+        self, batch: Batch, *, max_tokens: int | None = None, max_rows: int | None = None
+    ) -> list[tuple[list[Batch], list[float]]]:
+        """Micro-batches of ``batch`` dealt to ranks; ranks left without one get a weight-0
+        copy of the first (every rank must run the same collectives)."""
+        groups = micro_batches(batch, max_tokens=max_tokens, max_rows=max_rows)
+        out = []
+        for rows in shard(groups, self.world_size):
+            if rows:
+                out.append(([batch.select(r) for r in rows], [1.0] * len(rows)))
+            else:
+                out.append(([batch.select(groups[0])], [0.0]))
+        return out
+
+    def train_step(
+        self,
+        batch: Batch,
+        objective: Any,
+        *,
+        max_tokens: int | None = None,
+        max_rows: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on ``batch`` split over the ranks. ``loss`` is the global loss
+        (the sum of the ranks' shares); other metrics are averaged over the ranks that had
+        data."""
+        parts = self.split(batch, max_tokens=max_tokens, max_rows=max_rows)
+        results = self._all("train_step", per_rank=[(m, objective, w) for m, w in parts])
+        keys = {k for r in results for k in r}
+        # A rank that only ran a weight-0 pass reports no metrics of its own.
+        merged = {
+            k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys
+        }
+        merged["loss"] = sum(r["loss"] for r in results)
+        merged["grad_norm"] = results[0]["grad_norm"]
+        merged["lr"] = results[0]["lr"]
+        return merged
+
+    def forward(
+        self,
+        batch: Batch,
+        fn: Any,
+        *,
+        max_tokens: int | None = None,
+        max_rows: int | None = None,
+    ) -> list[Any]:
+        """``fn(model, micro_batch)`` over ``batch`` on all ranks; results per micro-batch in
+        row order, with the rows of each (``[(rows, result), ...]``)."""
+        groups = micro_batches(batch, max_tokens=max_tokens, max_rows=max_rows)
+        dealt = shard(groups, self.world_size)
+        args = [
+            ([batch.select(r) for r in rows] if rows else [batch.select(groups[0])], fn)
+            for rows in dealt
+        ]
+        results = self._all("forward", per_rank=args)
+        pairs = []
+        for rows, res in zip(dealt, results, strict=True):
+            pairs += list(zip(rows, res[: len(rows)], strict=True))
+        return sorted(pairs, key=lambda p: p[0][0])
+
+    def save(
+        self, root: str, step: int, *, client_state: Mapping[str, Any], keep: int | None = None
+    ) -> str:
+        """A complete checkpoint of ``step`` under ``root`` (staging dir, then renamed)."""
+        staging = str(ckpt.staging_dir(root, step))
+        self._all("save_checkpoint", staging, dict(client_state))
+        import ray
+
+        return ray.get(
+            self.workers[0].finalize_checkpoint.remote(root, step, dict(client_state), keep)
+        )
+
+    def load(self, directory: str) -> dict[str, Any]:
+        """Resume every rank from ``directory``; returns the trainer state."""
+        return self._all("load_checkpoint", directory)[0]
+
+    def export_hf(self, directory: str) -> None:
+        """A transformers checkpoint of the role's model at ``directory``."""
+        self._all("export_hf", directory)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(backend, *args)`` on every rank."""
+        return self._all("run", fn, *args)
+
+    def shutdown(self) -> None:
+        """Kill the rank processes."""
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

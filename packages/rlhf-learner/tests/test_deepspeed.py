@@ -1,0 +1,275 @@
+"""The DeepSpeed backend on 2 ranks (Ray actors, gloo): exactness across the data-parallel
+split, learning, checkpoints, HF export and weight buckets, with ZeRO-2 and ZeRO-3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+
+from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
+from rlhf.learner import (
+    CheckpointError,
+    CriticObjective,
+    DeepSpeedConfig,
+    DPOObjective,
+    LearnerConfig,
+    LearnerGroup,
+    ModelConfig,
+    ModelLoadError,
+    OptimizerConfig,
+    PPOActorObjective,
+    RewardModelObjective,
+    SFTObjective,
+    collate,
+    count_buckets,
+    iter_buckets,
+    preference_row,
+    sequence_logps,
+    sequence_scores,
+    sft_row,
+)
+from rlhf.learner.optim import build_optimizer
+
+from .test_units import _rl_batch
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster):
+    g = LearnerGroup(num_ranks=2)
+    yield g
+    g.shutdown()
+
+
+def config(path, *, stage: int, lr: float = 1e-3, kind: str = "causal_lm", optimizer=True):
+    return LearnerConfig(
+        model=ModelConfig(path=str(path), kind=kind),
+        optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, betas=(0.9, 0.95)) if optimizer else None,
+        deepspeed=DeepSpeedConfig(zero_stage=stage),
+    )
+
+
+def full_state(group) -> dict[str, torch.Tensor]:
+    return group.run(lambda backend: backend.state_dict_on_rank0())[0]
+
+
+def sft_batch(tokenizer, n: int = 6):
+    rows = [
+        sft_row({"input": f"what is {i} plus {i}?", "output": str(2 * i)}, i, tokenizer)
+        for i in range(n)
+    ]
+    return collate(
+        [r.input_ids for r in rows],
+        pad_token_id=tokenizer.pad_token_id,
+        per_token={"loss_mask": [r.loss_mask for r in rows]},
+    )
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sft_steps_lower_the_loss_and_change_every_parameter(group, tiny, tokenizer, stage) -> None:
+    group.build(config(tiny, stage=stage))
+    before = full_state(group)
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    losses = [group.train_step(batch, objective, max_rows=2)["loss"] for _ in range(5)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.5
+    after = full_state(group)
+    assert set(after) == set(before)
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert not unchanged
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage) -> None:
+    """2 ranks x uneven micro-batches (one rank pads with a weight-0 pass) give the loss,
+    gradient norm and update of one full-batch step in this process."""
+    model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    batch = _rl_batch(model, seed=2)
+    algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
+    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
+    objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
+    cfg = config(tiny, stage=stage, lr=1e-3)
+    # Reference: one process, one micro-batch, torch AdamW with the same groups and schedule.
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer)
+    loss, _ = objective(model, batch)
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
+    optimizer.step()
+    scheduler.step()
+
+    group.build(cfg)
+    out = group.train_step(batch, objective, max_rows=2)  # 3 micro-batches on 2 ranks
+    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+    after = full_state(group)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(after[name], param.detach(), rtol=0, atol=2e-6, msg=name)
+
+
+def test_critic_step_is_exact_across_the_split(group, tiny) -> None:
+    from transformers import AutoModelForTokenClassification
+
+    from rlhf.learner import load_model
+
+    ref = load_model(ModelConfig(path=str(tiny), kind="scalar"))
+    assert isinstance(ref, AutoModelForTokenClassification._model_mapping[type(ref.config)])
+    gen = torch.Generator().manual_seed(3)
+    lm = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    batch = _rl_batch(lm, seed=4)
+    m = batch["action_mask"]
+    batch.fields["old_values"] = torch.randn(m.shape, generator=gen) * m * 0.5
+    batch.fields["returns"] = torch.randn(m.shape, generator=gen) * m
+    algo = AlgoConfig(value_clip=0.2, loss_agg_mode="seq-mean-token-mean")
+    objective = CriticObjective(
+        algo=algo, normalizer=float(loss_normalizer(m, mode="seq-mean-token-mean"))
+    )
+    loss, _ = objective(ref, batch)
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in ref.parameters() if p.grad is not None))
+    group.build(config(tiny, stage=2, kind="scalar"))
+    out = group.train_step(batch, objective, max_rows=1)
+    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
+
+
+def test_save_load_resumes_the_next_step_exactly(group, tiny, tokenizer, tmp_path) -> None:
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    group.build(config(tiny, stage=2))
+    group.train_step(batch, objective, max_rows=3)
+    path = group.save(str(tmp_path), 1, client_state={"step": 1, "data_position": 6}, keep=2)
+    uninterrupted = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
+    group.build(config(tiny, stage=2))  # a new run from the initial weights
+    fresh = group.train_step(batch, objective, max_rows=3)
+    assert fresh["loss"] != pytest.approx(uninterrupted[0]["loss"])
+    group.build(config(tiny, stage=2))
+    assert group.load(path) == {"step": 1, "data_position": 6}
+    resumed = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
+
+
+def test_foreign_and_partial_checkpoints_are_refused(group, tiny, tmp_path) -> None:
+    group.build(config(tiny, stage=2))
+    good = group.save(str(tmp_path), 3, client_state={"step": 3})
+    group.build(config(tiny, stage=2, kind="scalar"))  # another model: a score head, no lm_head
+    with pytest.raises(
+        CheckpointError,
+        match=r"written for another model \(parameters it lacks: \['score.bias', 'score.weight'\]",
+    ):
+        group.load(good)
+    (tmp_path / ".staging-step-00000004").mkdir()
+    with pytest.raises(CheckpointError, match=r"incomplete \(no COMPLETE marker\)"):
+        group.load(str(tmp_path / ".staging-step-00000004"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        group.load(str(tmp_path / "step-00000009"))
+
+
+def test_missing_model_path_fails_the_build_clearly(group, tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match=r"model path '.*missing' does not exist"):
+        group.build(config(tmp_path / "missing", stage=2))
+
+
+def test_zero3_export_round_trips_and_buckets_reassemble(group, tiny, tokenizer, tmp_path) -> None:
+    group.build(config(tiny, stage=3))
+    batch = sft_batch(tokenizer)
+    group.train_step(batch, SFTObjective(normalizer=float(batch["loss_mask"].sum())), max_rows=3)
+    state = full_state(group)
+    group.export_hf(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    for name, param in exported.named_parameters():
+        if name in state:
+            assert torch.equal(param.detach(), state[name]), name
+    # Same logits as the trained sharded model computes itself.
+    ours = group.forward(
+        batch, lambda m, b: m(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    )
+    with torch.no_grad():
+        theirs = exported(batch.input_ids, attention_mask=batch.attention_mask).logits
+    for rows, logits in ours:
+        width = logits.shape[1]
+        torch.testing.assert_close(logits, theirs[rows, :width], rtol=1e-5, atol=1e-5)
+
+    def buckets(backend, bucket_bytes):
+        sizes = [int(torch.tensor(shape).prod()) * 4 for shape in backend.fingerprint().values()]
+        total = count_buckets(sizes, bucket_bytes)
+        out = [
+            (h, b.clone())
+            for h, b in iter_buckets(
+                backend.named_full_parameters(), version=7, bucket_bytes=bucket_bytes, total=total
+            )
+        ]
+        return out if backend.rank == 0 else None
+
+    sync = group.run(buckets, 16 * 1024)[0]
+    assert len(sync) > 1 and {h["total"] for h, _ in sync} == {len(sync)}
+    back = {}
+    for header, buffer in sync:
+        for name, dtype, shape, offset, _ in header["tensors"]:
+            assert dtype == "float32"
+            n = int(torch.tensor(shape).prod()) * 4
+            back[name] = buffer[offset : offset + n].view(torch.float32).view(shape)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_reward_model_learns_a_separable_preference(group, tiny, tokenizer) -> None:
+    def pairs(indices):
+        rows = [
+            preference_row(
+                {"prompt": f"what is {i} plus {i}?", "chosen": "yes good", "rejected": "no bad"},
+                i,
+                tokenizer,
+            )
+            for i in indices
+        ]
+        chosen, rejected = [c for c, _ in rows], [r for _, r in rows]
+        return collate(
+            [r.input_ids for r in chosen + rejected], pad_token_id=tokenizer.pad_token_id
+        )
+
+    train, held_out = pairs(range(8)), pairs(range(10, 16))
+    group.build(config(tiny, stage=2, kind="scalar", lr=3e-3))
+
+    def accuracy() -> float:
+        score = lambda m, b: sequence_scores(m, b.input_ids, b.attention_mask)  # noqa: E731
+        scores = torch.cat([s for _, s in group.forward(held_out, score)])
+        return (scores[:6] > scores[6:]).float().mean().item()
+
+    objective = RewardModelObjective(normalizer=8.0)
+    for _ in range(15):
+        group.train_step(train, objective, max_rows=16)  # a pair stays in one micro-batch
+    assert accuracy() >= 0.9
+
+
+def test_dpo_raises_preference_accuracy(group, tiny, tokenizer) -> None:
+    rows = [
+        preference_row(
+            {"prompt": f"what is {i} plus 1?", "chosen": "the answer is yes", "rejected": "no"},
+            i,
+            tokenizer,
+        )
+        for i in range(8)
+    ]
+    chosen, rejected = [c for c, _ in rows], [r for _, r in rows]
+    batch = collate(
+        [r.input_ids for r in chosen + rejected],
+        pad_token_id=tokenizer.pad_token_id,
+        per_token={"loss_mask": [r.loss_mask for r in chosen + rejected]},
+    )
+    reference = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        batch.fields["ref_logps"] = sequence_logps(reference, batch)
+    group.build(config(tiny, stage=2, lr=2e-3))
+    objective = DPOObjective(normalizer=8.0, beta=0.1)
+    first = group.train_step(batch, objective, max_rows=16)
+    for _ in range(10):
+        last = group.train_step(batch, objective, max_rows=16)
+    assert first["dpo/accuracy"] <= 0.5  # at the reference, every margin is 0
+    assert last["dpo/accuracy"] == 1.0
+    assert last["loss"] < first["loss"]
+    logps = torch.cat([lp for _, lp in group.forward(batch, sequence_logps)])
+    margins = (logps[:8] - batch["ref_logps"][:8]) - (logps[8:] - batch["ref_logps"][8:])
+    assert (margins > 0).all()

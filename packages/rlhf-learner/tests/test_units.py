@@ -1,0 +1,266 @@
+"""Backend-neutral parts: schedule, parameter groups, batching, data rows, buckets, checkpoint
+layout, and the objectives against rlhf.algos on a real model in one process."""
+
+import json
+import math
+import zlib
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer, policy_loss
+from rlhf.learner import (
+    CheckpointError,
+    DataError,
+    ModelConfig,
+    ModelLoadError,
+    OptimizerConfig,
+    PPOActorObjective,
+    SFTObjective,
+    collate,
+    count_buckets,
+    iter_buckets,
+    latest_checkpoint,
+    load_model,
+    lr_lambda,
+    micro_batches,
+    param_groups,
+    preference_row,
+    sft_row,
+    shard,
+    staging_dir,
+    token_logprobs,
+)
+from rlhf.learner import checkpoint as ckpt
+
+
+def test_schedule_by_hand() -> None:
+    f = lr_lambda(OptimizerConfig(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1))
+    # Warmup: (s + 1) / 4; then cosine from 1 to 0.1 over 10 steps: p = (s − 4) / 10.
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # 0.55
+    assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+    lin = lr_lambda(OptimizerConfig(lr=1.0, schedule="linear", total_steps=10, min_lr_ratio=0.0))
+    assert lin(5) == pytest.approx(0.5)
+    assert lr_lambda(OptimizerConfig(lr=1.0, schedule="constant"))(500) == 1.0
+    with pytest.raises(ValueError, match="optimizer.schedule"):
+        OptimizerConfig(schedule="step")
+
+
+def test_no_weight_decay_on_biases_and_norms(tiny) -> None:
+    model = load_model(ModelConfig(path=str(tiny)))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(names[id(p)].endswith("weight") for p in decay["params"])
+    skipped = {names[id(p)] for p in no_decay["params"]}
+    assert "model.norm.weight" in skipped and "model.layers.0.self_attn.q_proj.bias" in skipped
+    assert "model.layers.0.mlp.up_proj.weight" not in skipped
+
+
+def test_collate_micro_batches_and_shard() -> None:
+    batch = collate(
+        [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]],
+        pad_token_id=0,
+        per_token={"action_mask": [[0, 1, 1], [0, 1], [0, 0, 1, 1, 1], [0]]},
+        per_sequence={"score": [1, 0, 1, 0]},
+    )
+    assert batch.input_ids.tolist()[1] == [4, 5, 0, 0, 0]
+    assert batch.attention_mask.sum(dim=1).tolist() == [3, 2, 5, 1]
+    # Padded size = longest row x rows: [3,2] → 6; adding 5 → 15 > 8: new group; 5 then 1 → 10.
+    assert micro_batches(batch, max_tokens=8) == [[0, 1], [2], [3]]
+    assert micro_batches(batch, max_rows=3) == [[0, 1, 2], [3]]
+    assert shard([[0, 1], [2], [3]], 2) == [[[0, 1], [3]], [[2]]]
+    part = batch.select([1, 3])
+    assert part.input_ids.tolist() == [[4, 5], [11, 0]]
+    assert part["action_mask"].tolist() == [[0, 1], [0, 0]] and part["score"].tolist() == [0, 0]
+    with pytest.raises(KeyError, match="needs batch field 'advantages'"):
+        part["advantages"]
+    with pytest.raises(ValueError, match=r"per_token\['m'\] row 0 has 2 values for 3 tokens"):
+        collate([[1, 2, 3]], pad_token_id=0, per_token={"m": [[1, 1]]})
+
+
+def test_sft_rows_mask_the_response_and_name_bad_rows(tokenizer) -> None:
+    row = sft_row({"q": "what is 1 plus 2?", "a": "3"}, 0, tokenizer, input_key="q", output_key="a")
+    assert len(row.input_ids) == len(row.loss_mask)
+    learned = [t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m]
+    # The response and the end-of-turn token, nothing of the prompt.
+    assert tokenizer.decode(learned) == "3<|im_end|>\n"
+    full = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what is 1 plus 2?"}, {"role": "assistant", "content": "3"}],
+        tokenize=False,
+    )
+    assert tokenizer.decode(row.input_ids) == full
+    with pytest.raises(DataError, match=r"row 7 has no 'a'"):
+        sft_row({"q": "x"}, 7, tokenizer, input_key="q", output_key="a")
+    pre = sft_row({"text": "the answer is yes"}, 0, tokenizer, input_key="text", pretrain=True)
+    assert all(pre.loss_mask)
+
+
+def test_multi_turn_rows_learn_every_assistant_turn(tokenizer) -> None:
+    messages = [
+        {"role": "user", "content": "what is 1 plus 1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "and 2 plus 2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    row = sft_row({"messages": messages}, 0, tokenizer, messages_key="messages")
+    assert tokenizer.decode(row.input_ids) == tokenizer.apply_chat_template(
+        messages, tokenize=False
+    )
+    spans, current = [], []
+    for t, m in zip(row.input_ids, row.loss_mask, strict=True):
+        if m:
+            current.append(t)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    spans += [tokenizer.decode(current)] if current else []
+    assert spans == ["2<|im_end|>\n", "4<|im_end|>\n"]
+    with pytest.raises(DataError, match=r"row 3: message 0 of 'messages' needs 'role'"):
+        sft_row({"messages": [{"content": "x"}]}, 3, tokenizer, messages_key="messages")
+
+
+def test_preference_rows(tokenizer) -> None:
+    chosen, rejected = preference_row(
+        {"prompt": "what is 1 plus 1?", "chosen": "2", "rejected": "3"}, 0, tokenizer
+    )
+    assert chosen.loss_mask.index(1) == rejected.loss_mask.index(1)  # same prompt
+    with pytest.raises(DataError, match=r"row 2 has no 'rejected'"):
+        preference_row({"prompt": "p", "chosen": "c"}, 2, tokenizer)
+
+
+def test_buckets_reassemble_and_checksums_follow_the_format() -> None:
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        "a.weight": torch.randn(10, 7, generator=gen),
+        "b.bias": torch.randn(3, generator=gen).to(torch.bfloat16),
+        "c.weight": torch.randn(40, generator=gen),
+        "d": torch.arange(5),
+    }
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    total = count_buckets(sizes, 300)
+    buckets = list(iter_buckets(state.items(), version=3, bucket_bytes=300, total=total))
+    # a: 280 bytes | b: 6 at 0, c: 160 at 64, d: 40 at 256 → 296 <= 300.
+    assert len(buckets) == total == 2
+    assert [[t[3] for t in h["tensors"]] for h, _ in buckets] == [[0], [0, 64, 256]]
+    back = {}
+    for header, buffer in buckets:
+        raw = buffer.numpy().tobytes()
+        assert header["nbytes"] == len(raw)
+        assert header["checksum"] == f"{len(raw):x}-{zlib.crc32(raw):08x}"
+        assert json.loads(json.dumps(header)) == header  # plain data
+        for name, dtype, shape, offset, digest in header["tensors"]:
+            assert offset % 64 == 0
+            t = state[name]
+            piece = raw[offset : offset + t.numel() * t.element_size()]
+            assert digest == f"{len(piece):x}-{zlib.crc32(piece):08x}"
+            back[name] = torch.frombuffer(bytearray(piece), dtype=t.dtype).view(shape)
+            assert dtype == str(t.dtype).removeprefix("torch.")
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    with pytest.raises(ValueError, match="announced"):
+        list(iter_buckets(state.items(), version=3, bucket_bytes=300, total=3))
+
+
+def test_wsum64_by_hand() -> None:
+    from rlhf.learner.weights import CHECKSUMS
+
+    # Words (little endian) 1 and 2 after zero padding of 9 bytes to 16: s1 = 3, s2 = 1·1 + 3·2.
+    data = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 2], dtype=torch.uint8)
+    assert CHECKSUMS["wsum64"](data) == f"9-{3:016x}{7:016x}"
+
+
+def test_checkpoint_layout_finalize_rotate_and_refuse(tmp_path) -> None:
+    fp = {"w": [2, 3]}
+    for step in (1, 2, 3):
+        staging_dir(tmp_path, step).mkdir()
+        ckpt.finalize(tmp_path, step, fingerprint=fp, client_state={"step": step}, keep=2)
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == [
+        "step-00000002",
+        "step-00000003",
+    ]
+    assert ckpt.validate(latest_checkpoint(tmp_path), fp) == {"step": 3}
+    staging_dir(tmp_path, 4).mkdir()  # a save that was killed
+    assert latest_checkpoint(tmp_path).name == "step-00000003"
+    with pytest.raises(
+        CheckpointError, match=r"incomplete .* the latest complete one is .*step-00000003"
+    ):
+        ckpt.validate(staging_dir(tmp_path, 4), fp)
+    with pytest.raises(
+        CheckpointError,
+        match=r"another model .*parameters it lacks: \['v'\].*different shapes: \['w'\]",
+    ):
+        ckpt.validate(latest_checkpoint(tmp_path), {"w": [3, 3], "v": [1]})
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ckpt.validate(tmp_path / "nope", fp)
+
+
+def test_missing_model_path_is_named(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match=r"model path '.*nope' does not exist"):
+        load_model(ModelConfig(path=str(tmp_path / "nope")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_model(ModelConfig(path=str(tmp_path / "empty")))
+
+
+def _rl_batch(model, *, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    rows, masks = [], []
+    for n_prompt, n_resp in [(3, 4), (5, 2), (2, 6), (4, 3), (3, 1), (6, 5)]:
+        rows.append(torch.randint(3, 200, (n_prompt + n_resp,), generator=gen).tolist())
+        masks.append([0] * n_prompt + [1] * n_resp)
+    batch = collate(rows, pad_token_id=0, per_token={"action_mask": masks})
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    m = batch["action_mask"]
+    noise = lambda s: torch.randn(lp.shape, generator=gen) * s * m  # noqa: E731
+    batch.fields["old_logprobs"] = lp + noise(0.3)
+    batch.fields["ref_logprobs"] = lp + noise(0.2)
+    batch.fields["advantages"] = noise(1.0)
+    return batch
+
+
+def test_ppo_objective_equals_rlhf_algos_on_the_full_batch(tiny) -> None:
+    model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    batch = _rl_batch(model, seed=1)
+    algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
+    m = batch["action_mask"]
+    norm = float(loss_normalizer(m, mode="token-mean"))
+    objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
+    loss, metrics = objective(model, batch)
+    # The same from the pieces: token-mean of the clipped surrogate + 0.1·k3 − 0.01·entropy.
+    lp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, with_entropy=True)
+    pg, _ = policy_loss(
+        logprobs=lp, old_logprobs=batch["old_logprobs"], advantages=batch["advantages"],
+        action_mask=m, config=algo.policy_loss,
+    )  # fmt: skip
+    x = (lp - batch["ref_logprobs"]) * m
+    k3 = ((torch.exp(-x) - 1 + x) * m).sum() / m.sum()
+    expected = pg + 0.1 * k3 - 0.01 * (ent * m).sum() / m.sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    # Splitting rows into micro-batches with the global normaliser gives the same total.
+    parts = [batch.select(r) for r in ([0, 1], [2], [3, 4, 5])]
+    assert sum(objective(model, p)[0].item() for p in parts) == pytest.approx(loss.item(), rel=1e-6)
+    assert metrics["actor/entropy"] > 0
+
+
+def test_sft_objective_is_token_mean_nll(tiny, tokenizer) -> None:
+    model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    rows = [
+        sft_row({"input": f"what is {i} plus 1?", "output": str(i + 1)}, i, tokenizer)
+        for i in range(3)
+    ]
+    batch = collate(
+        [r.input_ids for r in rows], pad_token_id=0,
+        per_token={"loss_mask": [r.loss_mask for r in rows]},
+    )  # fmt: skip
+    mask = batch["loss_mask"]
+    loss, _ = SFTObjective(normalizer=float(mask.sum()))(model, batch)
+    with torch.no_grad():
+        logits = model(batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), batch.input_ids[:, 1:], reduction="none"
+    )
+    expected = (nll * mask[:, 1:]).sum() / mask.sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)

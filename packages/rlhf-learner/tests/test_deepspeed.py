@@ -24,6 +24,7 @@ from rlhf.learner import (
     collate,
     count_buckets,
     iter_buckets,
+    load_model,
     preference_row,
     sequence_logps,
     sequence_scores,
@@ -109,8 +110,6 @@ def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage) -> None:
 
 def test_critic_step_is_exact_across_the_split(group, tiny) -> None:
     from transformers import AutoModelForTokenClassification
-
-    from rlhf.learner import load_model
 
     ref = load_model(ModelConfig(path=str(tiny), kind="scalar"))
     assert isinstance(ref, AutoModelForTokenClassification._model_mapping[type(ref.config)])
@@ -215,7 +214,7 @@ def test_zero3_export_round_trips_and_buckets_reassemble(group, tiny, tokenizer,
     assert all(torch.equal(back[k], state[k]) for k in state)
 
 
-def test_reward_model_learns_a_separable_preference(group, tiny, tokenizer) -> None:
+def test_reward_model_learns_a_separable_preference(group, tiny, tokenizer, tmp_path) -> None:
     def pairs(indices):
         rows = [
             preference_row(
@@ -233,8 +232,10 @@ def test_reward_model_learns_a_separable_preference(group, tiny, tokenizer) -> N
     train, held_out = pairs(range(8)), pairs(range(10, 16))
     group.build(config(tiny, stage=2, kind="scalar", lr=3e-3))
 
+    def score(model, batch):
+        return sequence_scores(model, batch.input_ids, batch.attention_mask)
+
     def accuracy() -> float:
-        score = lambda m, b: sequence_scores(m, b.input_ids, b.attention_mask)  # noqa: E731
         scores = torch.cat([s for _, s in group.forward(held_out, score)])
         return (scores[:6] > scores[6:]).float().mean().item()
 
@@ -242,6 +243,14 @@ def test_reward_model_learns_a_separable_preference(group, tiny, tokenizer) -> N
     for _ in range(15):
         group.train_step(train, objective, max_rows=16)  # a pair stays in one micro-batch
     assert accuracy() >= 0.9
+    # The exported reward model initialises a critic: same head, same numbers.
+    group.export_hf(str(tmp_path / "rm"))
+    critic = load_model(ModelConfig(path=str(tmp_path / "rm"), kind="scalar")).eval()
+    assert critic.score.weight.abs().sum() > 0
+    with torch.no_grad():
+        local = sequence_scores(critic, held_out.input_ids, held_out.attention_mask)
+    remote = torch.cat([s for _, s in group.forward(held_out, score)])
+    torch.testing.assert_close(local, remote, rtol=1e-5, atol=1e-5)
 
 
 def test_dpo_raises_preference_accuracy(group, tiny, tokenizer) -> None:

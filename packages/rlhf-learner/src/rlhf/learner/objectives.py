@@ -50,12 +50,15 @@ class PPOActorObjective:
         normalizer: Global normaliser of ``algo.loss_agg_mode`` over the step.
         kl_coef: Current KL coefficient β (from the controller) for the KL loss.
         temperature: Sampling temperature of the rollout.
+        entropy_metric: Compute the policy entropy for ``actor/entropy`` even when it is not
+            in the loss (one more pass over the logits; ~8 % of a tiny model's step on CPU).
     """
 
     algo: AlgoConfig
     normalizer: float
     kl_coef: float = 0.0
     temperature: float = 1.0
+    entropy_metric: bool = True
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         algo = self.algo
@@ -65,7 +68,7 @@ class PPOActorObjective:
             batch.input_ids,
             batch.attention_mask,
             temperature=self.temperature,
-            with_entropy=True,
+            with_entropy=want_entropy or self.entropy_metric,
         )
         mask = batch["action_mask"]
         loss, metrics = policy_loss(
@@ -95,11 +98,13 @@ class PPOActorObjective:
             kl_loss = aggregate_loss(kl, mask, **agg)
             loss = loss + self.kl_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.detach()
-        assert entropy is not None
-        entropy_share = aggregate_loss(entropy if want_entropy else entropy.detach(), mask, **agg)
-        if want_entropy:
-            loss = loss - algo.entropy_coef * entropy_share
-        metrics["actor/entropy"] = entropy_share.detach()
+        if entropy is not None:
+            entropy_share = aggregate_loss(
+                entropy if want_entropy else entropy.detach(), mask, **agg
+            )
+            if want_entropy:
+                loss = loss - algo.entropy_coef * entropy_share
+            metrics["actor/entropy"] = entropy_share.detach()
         return loss, metrics
 
 

@@ -302,6 +302,19 @@ def header_from_wire(header: BucketHeader | Mapping[str, Any]) -> BucketHeader:
         ) from exc
 
 
+def bucket_from_wire(item: WeightBucket | tuple[Mapping[str, Any], Buffer]) -> WeightBucket:
+    """A `WeightBucket` from a bucket or from a ``(header, buffer)`` pair in plain-data form
+    (what ``rlhf.learner``'s sender yields)."""
+    if isinstance(item, WeightBucket):
+        return item
+    if isinstance(item, tuple) and len(item) == 2:
+        header, buffer = item
+        return header_from_wire(header).with_buffer(buffer)
+    raise WeightSyncError(
+        f"a sync item must be a WeightBucket or a (header, buffer) pair, got {type(item).__name__}"
+    )
+
+
 def validate_sync(
     buckets: Sequence[WeightBucket],
     *,

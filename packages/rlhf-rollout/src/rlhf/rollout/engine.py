@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +32,7 @@ from rlhf.rollout.buckets import (
     DTYPES,
     WeightBucket,
     WeightSyncError,
+    bucket_from_wire,
     iter_tensors,
     validate_sync,
 )
@@ -409,7 +410,11 @@ class VLLMEngine:
         return self._expected
 
     def update_weights(
-        self, buckets: Sequence[WeightBucket], *, require_all: bool = True, verify: bool = False
+        self,
+        buckets: Sequence[WeightBucket | tuple[Mapping[str, Any], Any]],
+        *,
+        require_all: bool = True,
+        verify: bool = False,
     ) -> int:
         """Validate a whole sync, then load it into the live engine (blocking).
 
@@ -419,7 +424,7 @@ class VLLMEngine:
         recomputed with the new weights) and `weight_version` becomes the sync's version.
 
         Args:
-            buckets: The sync.
+            buckets: The sync: buckets, or ``(header, buffer)`` pairs in plain-data form.
             require_all: Every checkpoint tensor must be in the sync.
             verify: Read the loaded weights back from the engine and compare
                 (`verify_weights`); always done while the served weights are unknown (after
@@ -435,6 +440,7 @@ class VLLMEngine:
                 "live weight updates need vllm.tensor_parallel_size=1 for now; with tensor "
                 "parallelism, restart the engine from an exported checkpoint"
             )
+        buckets = [bucket_from_wire(b) for b in buckets]
         version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
         self.call(_load_buckets, list(buckets))
         self.weight_version = version

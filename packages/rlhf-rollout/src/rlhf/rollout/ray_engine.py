@@ -41,7 +41,8 @@ class EngineActor:
     async def update_weights(
         self, buckets: Sequence[Any], *, require_all: bool = True, verify: bool = False
     ) -> int:
-        """Load a sync given as buckets or as Ray object refs of buckets (object store)."""
+        """Load a sync given as buckets, ``(header, buffer)`` pairs, or Ray object refs of
+        either (object store)."""
         import ray
 
         resolved = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buckets]

@@ -282,3 +282,89 @@ def test_dpo_raises_preference_accuracy(group, tiny, tokenizer) -> None:
     logps = torch.cat([lp for _, lp in group.forward(batch, sequence_logps)])
     margins = (logps[:8] - batch["ref_logps"][:8]) - (logps[8:] - batch["ref_logps"][8:])
     assert (margins > 0).all()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_trains_adapters_only_and_exports_merged_weights(
+    group, tiny, tokenizer, tmp_path, stage
+) -> None:
+    cfg = LearnerConfig(
+        model=ModelConfig(path=str(tiny), lora_rank=4, lora_alpha=8),
+        optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0),
+        deepspeed=DeepSpeedConfig(zero_stage=stage),
+    )
+    fp = group.build(cfg)
+    assert any(".lora_A." in name for name in fp)
+
+    def raw(backend):
+        return (
+            {n: p.detach().clone() for n, p in backend.module.named_parameters()}
+            if stage != 3
+            else None
+        )
+
+    before = group.run(raw)[0]
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    losses = [group.train_step(batch, objective, max_rows=3)["loss"] for _ in range(6)]
+    assert losses[-1] < losses[0] - 0.1
+    if before is not None:
+        after = group.run(raw)[0]
+        changed = {n for n in before if not torch.equal(before[n], after[n])}
+        assert changed and all(".lora_" in n for n in changed)  # the base stays frozen
+    merged = full_state(group)
+    base_names = set(Qwen2ForCausalLM.from_pretrained(tiny).state_dict()) - {"lm_head.weight"}
+    assert set(merged) == base_names
+    original = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict()
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           original["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    assert torch.equal(merged["model.norm.weight"], original["model.norm.weight"])
+    group.export_hf(str(tmp_path / "merged"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    ours = group.forward(
+        batch, lambda m, b: m(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    )
+    with torch.no_grad():
+        theirs = exported.eval()(batch.input_ids, attention_mask=batch.attention_mask).logits
+    for rows, logits in ours:
+        torch.testing.assert_close(logits, theirs[rows, : logits.shape[1]], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ema_follows_the_weights_and_survives_a_checkpoint(
+    group, tiny, tokenizer, tmp_path, stage
+) -> None:
+    cfg = LearnerConfig(
+        model=ModelConfig(path=str(tiny)),
+        optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0, ema_decay=0.5),
+        deepspeed=DeepSpeedConfig(zero_stage=stage),
+    )
+    group.build(cfg)
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    w = [full_state(group)]
+    for _ in range(2):
+        group.train_step(batch, objective, max_rows=3)
+        w.append(full_state(group))
+    path = group.save(str(tmp_path), 2, client_state={"step": 2})
+    ema = group.run(lambda backend: backend.state_dict_on_rank0(ema=True))[0]
+    # ema0 = w0; ema1 = (w0 + w1) / 2; ema2 = ema1 / 2 + w2 / 2 = w0/4 + w1/4 + w2/2.
+    for name in w[0]:
+        expected = 0.25 * w[0][name] + 0.25 * w[1][name] + 0.5 * w[2][name]
+        torch.testing.assert_close(ema[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(full_state(group)["model.norm.weight"], w[2]["model.norm.weight"])
+    # Reading the EMA left the live weights as they were: the next step starts from w2.
+    live = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    live.load_state_dict(w[2], strict=False)
+    live.tie_weights()
+    expected_loss = objective(live, batch)[0].item()
+    assert group.train_step(batch, objective, max_rows=3)["loss"] == pytest.approx(
+        expected_loss, rel=1e-5
+    )
+    group.build(cfg)
+    group.load(path)
+    restored = group.run(lambda backend: backend.state_dict_on_rank0(ema=True))[0]
+    assert all(torch.equal(restored[k], ema[k]) for k in ema)
+    group.export_hf(str(tmp_path / "ema"), ema=True)
+    exported = Qwen2ForCausalLM.from_pretrained(tmp_path / "ema", dtype=torch.float32)
+    assert torch.equal(exported.model.norm.weight.detach(), ema["model.norm.weight"])

@@ -7,6 +7,7 @@ Layout under a run's checkpoint root::
         model.json            parameter names → shapes of the model it holds
         trainer_state.json    the driver's state (step, data position, KL controller, …)
         rng/rank-<r>.pt       each rank's RNG states
+        ema/rank-<r>.pt       each rank's EMA weights (its shards under ZeRO-3), if kept
         backend/              the backend's own files (DeepSpeed engine state)
     .staging-step-00000012/   being written; never read
 

@@ -22,6 +22,11 @@ class ModelConfig:
             ``flash_attention_2``).
         init_value_head: For ``scalar`` roles loaded from a causal LM (no ``score`` head in the
             checkpoint): initialise the head to zero, so initial values and rewards are 0.
+        lora_rank: LoRA rank r; 0 trains the full model. With LoRA only the adapters (and a
+            scalar role's head) train; weight syncs and HF exports carry merged weights.
+        lora_alpha: LoRA α (the update is scaled by α / r).
+        lora_dropout: Dropout on the LoRA input.
+        lora_target_modules: Module names that get adapters.
     """
 
     path: str
@@ -30,12 +35,26 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
     init_value_head: bool = True
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
 
     def __post_init__(self) -> None:
         if self.kind not in ROLE_KINDS:
             raise ValueError(f"model.kind must be one of {ROLE_KINDS}, got {self.kind!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.lora_rank < 0 or (self.lora_rank and not self.lora_target_modules):
+            raise ValueError("model.lora_rank must be >= 0 and needs model.lora_target_modules")
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,9 @@ class OptimizerConfig:
         betas: Adam betas.
         eps: Adam epsilon.
         grad_clip: Clip the global gradient norm to this; 0 disables.
+        ema_decay: Keep an exponential moving average of the trainable weights, updated after
+            every optimizer step as ``ema ← d·ema + (1 − d)·w``; None disables. Checkpoints
+            carry it and ``export_hf(..., ema=True)`` writes it.
     """
 
     lr: float = 1e-6
@@ -63,8 +85,11 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float = 1.0
+    ema_decay: float | None = None
 
     def __post_init__(self) -> None:
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ValueError(f"optimizer.ema_decay must be in (0, 1), got {self.ema_decay}")
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -17,6 +17,7 @@ Under ZeRO-3 the model is built under ``transformers.integrations.HfDeepSpeedCon
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pathlib
@@ -32,7 +33,7 @@ from rlhf.learner import checkpoint as ckpt
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
-from rlhf.learner.models import fingerprint, load_model
+from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 
 
@@ -130,6 +131,12 @@ class DeepSpeedBackend:
             dtype = torch.bfloat16 if config.deepspeed.bf16 else None
             self._module = model.to(device=self.device, dtype=dtype)
         self._module.eval()
+        self._ema: dict[str, Tensor] | None = None
+        if config.optimizer is not None and config.optimizer.ema_decay is not None:
+            self._ema = {n: _local(p).detach().float().clone() for n, p in self._trainable()}
+
+    def _trainable(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return ((n, p) for n, p in self._module.named_parameters() if p.requires_grad)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -179,6 +186,11 @@ class DeepSpeedBackend:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
         self.engine.step()
+        if self._ema is not None:
+            decay = self.config.optimizer.ema_decay
+            with torch.no_grad():
+                for name, param in self._trainable():
+                    self._ema[name].mul_(decay).add_(_local(param).float(), alpha=1 - decay)
         out = {k: v / max(counted, 1) for k, v in sums.items()}
         out["loss"] = loss_total
         norm = self.engine.get_global_grad_norm()
@@ -216,6 +228,9 @@ class DeepSpeedBackend:
             str(pathlib.Path(directory) / "backend"), tag="state", client_state=dict(client_state)
         )
         ckpt.write_rank_rng(directory, self.rank)
+        if self._ema is not None:
+            (pathlib.Path(directory) / "ema").mkdir(exist_ok=True)
+            torch.save(self._ema, pathlib.Path(directory) / "ema" / f"rank-{self.rank}.pt")
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Validate ``directory`` against this model, then restore everything
@@ -232,39 +247,72 @@ class DeepSpeedBackend:
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed found no engine state in {directory}/backend")
         ckpt.restore_rank_rng(directory, self.rank)
+        if self._ema is not None:
+            file = pathlib.Path(directory) / "ema" / f"rank-{self.rank}.pt"
+            if not file.is_file():
+                raise ckpt.CheckpointError(
+                    f"checkpoint {directory} has no EMA weights; it was saved without "
+                    "optimizer.ema_decay"
+                )
+            self._ema = torch.load(file, weights_only=True)
         return state
 
     def named_full_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """Each parameter unsharded (gathered one at a time under ZeRO-3); a yielded tensor
-        is valid until the next one is requested."""
-        zero3 = self.config.deepspeed.zero_stage == 3 and self.engine is not None
-        for name, param in self._module.named_parameters():
-            if zero3:
-                import deepspeed
+        """Each parameter unsharded (gathered one at a time under ZeRO-3), in checkpoint
+        names, LoRA adapters merged; a yielded tensor is valid until the next is requested."""
+        gather = None
+        if self.config.deepspeed.zero_stage == 3 and self.engine is not None:
+            import deepspeed
 
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                    yield name, param.data
-            else:
-                yield name, param.data
+            def gather(params: list[torch.nn.Parameter]) -> Any:
+                return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-    def state_dict_on_rank0(self) -> dict[str, Tensor] | None:
-        """The full model state on the CPU at rank 0 (None elsewhere); all ranks call it."""
-        out: dict[str, Tensor] | None = {} if self.rank == 0 else None
-        for name, tensor in self.named_full_parameters():
-            if out is not None:
-                out[name] = tensor.detach().to("cpu", copy=True)
+        yield from merged_parameters(self._module, gather)
+
+    @contextlib.contextmanager
+    def _ema_weights(self) -> Iterator[None]:
+        """Swap the EMA into the (local shards of the) trainable weights while open."""
+        if self._ema is None:
+            raise RuntimeError("no EMA weights: set optimizer.ema_decay")
+        saved = {}
+        with torch.no_grad():
+            for name, param in self._trainable():
+                local = _local(param)
+                saved[name] = local.clone()
+                local.copy_(self._ema[name].to(local.dtype))
+                _release(param)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in self._trainable():
+                    _local(param).copy_(saved[name])
+                    _release(param)
+
+    def state_dict_on_rank0(self, *, ema: bool = False) -> dict[str, Tensor] | None:
+        """The full model state (or its EMA) on the CPU at rank 0 (None elsewhere); all ranks
+        call it."""
+        with self._ema_weights() if ema else contextlib.nullcontext():
+            out: dict[str, Tensor] | None = {} if self.rank == 0 else None
+            for name, tensor in self.named_full_parameters():
+                if out is not None:
+                    out[name] = tensor.detach().to("cpu", copy=True)
         return out
 
-    def export_hf(self, directory: str) -> None:
-        """A transformers checkpoint of the full model (plus the source's tokenizer files),
-        written to a staging directory and moved into place (rank 0); all ranks call it."""
-        state = self.state_dict_on_rank0()
+    def export_hf(self, directory: str, *, ema: bool = False) -> None:
+        """A transformers checkpoint of the full model (its EMA with ``ema``) plus the
+        source's tokenizer files, written to a staging directory and moved into place (rank
+        0); all ranks call it."""
+        state = self.state_dict_on_rank0(ema=ema)
         if state is None:
             return
         target = pathlib.Path(directory)
         staging = target.with_name(f".staging-{target.name}")
         shutil.rmtree(staging, ignore_errors=True)
-        self._module.save_pretrained(staging, state_dict=state, safe_serialization=True)
+        base = self._module
+        if hasattr(base, "get_base_model"):  # LoRA: a plain checkpoint with merged weights
+            base = base.get_base_model()
+        base.save_pretrained(staging, state_dict=state, safe_serialization=True)
         source = pathlib.Path(self.config.model.path)
         for f in source.iterdir():
             wanted = f.name.startswith("tokenizer") or f.name in _SIDE_FILES
@@ -288,6 +336,19 @@ class DeepSpeedBackend:
 
 
 _SIDE_FILES = {"special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja"}
+
+
+def _local(param: torch.nn.Parameter) -> Tensor:
+    """This rank's stored values of ``param``: its ZeRO-3 shard (kept current by the
+    optimizer, also for small parameters that ZeRO-3 keeps gathered), else the parameter."""
+    shard = getattr(param, "ds_tensor", None)
+    return shard if shard is not None else param.data
+
+
+def _release(param: torch.nn.Parameter) -> None:
+    """Drop a ZeRO-3 parameter's gathered copy, so the next gather reads its shard."""
+    if getattr(param, "ds_tensor", None) is not None and param.data.numel():
+        param.partition()
 
 
 def _to_cpu(value: Any) -> Any:

@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -62,10 +65,67 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+    if config.lora_rank:
+        model = _with_lora(model, config)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def _with_lora(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ImportError(
+            "model.lora_rank > 0 needs PEFT: pip install 'rlhf-learner[lora]'"
+        ) from exc
+    lora = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=list(config.lora_target_modules),
+        # A scalar role's head trains in full beside the adapters.
+        modules_to_save=["score"] if config.kind == "scalar" else None,
+    )
+    return get_peft_model(model, lora)
+
+
+def merged_parameters(
+    model: torch.nn.Module,
+    gather: Callable[[list[torch.nn.Parameter]], AbstractContextManager[Any]] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters in checkpoint names; for a PEFT LoRA model, the base weights with the
+    adapters merged in (``W + scale · B A``), without changing the model.
+
+    Args:
+        model: A transformers model, or a PEFT model around one.
+        gather: Context manager that makes the listed parameters whole while open (ZeRO-3's
+            ``GatheredParameters``); None when they already are.
+
+    Yields:
+        ``(name, tensor)``; a tensor is valid until the next one is requested.
+    """
+    whole = gather or (lambda _params: contextlib.nullcontext())
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    modules = dict(base.named_modules())
+    for name, param in base.named_parameters():
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        owner_name, _, leaf = name.rpartition(".")
+        clean = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        if owner_name.endswith(".base_layer") and leaf == "weight":
+            lora_layer = modules[owner_name.removesuffix(".base_layer")]
+            needed = [param]
+            for adapter in lora_layer.active_adapters:
+                needed += list(lora_layer.lora_A[adapter].parameters())
+                needed += list(lora_layer.lora_B[adapter].parameters())
+            with whole(needed):
+                delta = sum(lora_layer.get_delta_weight(a) for a in lora_layer.active_adapters)
+                yield clean, (param.detach() + delta.to(param.dtype)).detach()
+        else:
+            with whole([param]):
+                yield clean, param.detach()
 
 
 def _checkpoint_names(root: pathlib.Path) -> list[str]:

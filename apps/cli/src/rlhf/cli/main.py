@@ -36,6 +36,8 @@ def _parse(cls: type[T], args: Sequence[str], default: T, prog: str) -> T:
         args=args,
         default=default,
         prog=prog,
+        # OpenRLHF's spelling: --rollout.n_samples_per_prompt; booleans take a value.
+        use_underscores=True,
         config=(tyro.conf.FlagConversionOff,),
     )
 
@@ -104,6 +106,8 @@ def env() -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from rlhf.cli.config import ConfigError
+    from rlhf.cli.data import DataSourceError
+    from rlhf.learner import CheckpointError, DataError, ModelLoadError
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -126,7 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"rlhf: unknown command {' '.join(args[:2])!r}\n{__doc__}", file=sys.stderr)
             return 2
-    except (ConfigError, KeyError) as exc:
+    except (
+        ConfigError,
+        KeyError,
+        DataSourceError,
+        DataError,
+        ModelLoadError,
+        CheckpointError,
+    ) as exc:
         print(f"rlhf: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -27,6 +27,7 @@ import json
 import os
 import pathlib
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,9 @@ from rlhf.algos import (
     kl_penalty,
     loss_normalizer,
     make_kl_controller,
+    overlong_filter_mask,
+    overlong_penalty,
+    stop_properly_penalty,
 )
 from rlhf.cli.config import RLConfig
 from rlhf.cli.data import PromptSampler, load_prompts
@@ -263,8 +267,12 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
     from transformers import AutoTokenizer
 
     from rlhf.agents import SamplingParams, SingleTurnExecutor
+    from rlhf.learner import check_model_dir
 
     config.validate()
+    check_model_dir(config.actor.model.path)
+    if config.uses_critic and config.critic.model.path:
+        check_model_dir(config.critic.model.path)
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
@@ -402,11 +410,13 @@ def _step(
     trajectories: list[Any] = []
     gen_metrics: dict[str, float] = {}
     dropped_groups = 0
+    digest = 0
     for attempt in range(4 if algo.dynamic_filtering_enable else 1):
         need = r.batch_size - len(trajectories) // r.n_samples_per_prompt
         if need <= 0:
             break
         prompts = sampler.next(need)
+        digest = zlib.crc32("\x00".join(p.text for p in prompts).encode(), digest)
         result = asyncio.run(
             executor.run(
                 prompts=[p.text for p in prompts],
@@ -423,7 +433,7 @@ def _step(
                     scores,
                     n_samples_per_prompt=r.n_samples_per_prompt,
                     score_range=algo.dynamic_filtering_range,
-                ).keep.tolist()
+                ).keep_groups.tolist()
                 if groups
                 else []
             )
@@ -447,8 +457,26 @@ def _step(
             "rollout_logprobs": [tr.rollout_logprobs for tr in trajectories],
         },
     )
+    raw_rewards = torch.tensor([float(tr.reward) for tr in trajectories])
+    rewards = raw_rewards
+    truncated = torch.tensor([bool(tr.truncated) for tr in trajectories])
+    lengths = batch["action_mask"].sum(dim=1)
+    if algo.overlong_buffer_len is not None:
+        rewards = rewards + overlong_penalty(
+            response_lengths=lengths,
+            max_new_tokens=r.max_new_tokens,
+            buffer_len=algo.overlong_buffer_len,
+            penalty_factor=algo.overlong_penalty_factor,
+        )
+    if algo.stop_properly_penalty_coef is not None:
+        rewards = stop_properly_penalty(
+            rewards, truncated=truncated, coef=algo.stop_properly_penalty_coef
+        )
+    if algo.overlong_filtering:
+        batch.fields["action_mask"] = overlong_filter_mask(
+            batch["action_mask"], truncated=truncated
+        )
     mask = batch["action_mask"]
-    rewards = torch.tensor([float(tr.reward) for tr in trajectories])
     kl_coef = kl_ctl.value
     multi_step = config.optimizer_steps_per_rollout > 1
     if multi_step:
@@ -522,13 +550,15 @@ def _step(
         kl_ctl.update(current_kl=mean_kl, n_steps=batch.size)
         train_metrics["kl/mean"] = mean_kl
         train_metrics["kl/coef"] = kl_coef
-    lengths = mask.sum(dim=1)
     return {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "rollout/response_length_mean": float(lengths.mean()),
+        "reward/mean": float(raw_rewards.mean()),
+        "reward/std": float(raw_rewards.std()) if raw_rewards.numel() > 1 else 0.0,
+        "reward/shaped_mean": float(rewards.mean()),
+        "rollout/response_length_mean": float(lengths.float().mean()),
         "rollout/samples": float(batch.size),
         "rollout/dropped_groups": float(dropped_groups),
+        "rollout/truncated_frac": float(truncated.float().mean()),
+        "data/prompts_crc32": digest,
         **{
             k: float(v)
             for k, v in gen_metrics.items()

@@ -1,0 +1,76 @@
+"""The README's learning table: every RL preset on the demo task with one budget.
+
+One SFT warm start is shared; each algorithm then runs the demo's RL stage (same steps,
+prompts, seed) and is reported as held-out pass@1 after SFT and after RL, with wall time.
+``python -m rlhf.cli.learning_table --readme README.md`` rewrites the table between the
+``<!-- learning-table -->`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import re
+
+from rlhf.cli.demo import DemoConfig, run_demo
+
+ALGOS = ("grpo", "ppo", "reinforce", "reinforce_baseline", "rloo", "dr_grpo")
+NAMES = {
+    "grpo": "GRPO",
+    "ppo": "PPO (critic, GAE)",
+    "reinforce": "REINFORCE++",
+    "reinforce_baseline": "REINFORCE++-baseline",
+    "rloo": "RLOO",
+    "dr_grpo": "Dr. GRPO",
+}
+
+
+def run_table(config: DemoConfig, algos: tuple[str, ...] = ALGOS) -> str:
+    rows = []
+    first = run_demo(
+        dataclasses.replace(config, algo=algos[0], run_dir=f"{config.run_dir}/{algos[0]}")
+    )
+    rows.append((algos[0], first))
+    sft = str(pathlib.Path(config.run_dir) / algos[0] / "sft" / "final")
+    for algo in algos[1:]:
+        config_for = dataclasses.replace(
+            config, algo=algo, run_dir=f"{config.run_dir}/{algo}", sft_model=sft
+        )
+        rows.append((algo, run_demo(config_for)))
+    steps = config.rl_steps
+    lines = [
+        f"| algorithm | pass@1 after SFT | pass@1 after {steps} RL steps | RL wall time |",
+        "|---|---|---|---|",
+    ]
+    for algo, r in rows:
+        lines.append(
+            f"| {NAMES.get(algo, algo)} | {r['start_pass@1']:.3f} | {r['end_pass@1']:.3f} | "
+            f"{r['rl_wall_s']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run_dir", default="runs/learning-table")
+    parser.add_argument("--rl_steps", type=int, default=DemoConfig.rl_steps)
+    parser.add_argument("--readme", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    table = run_table(DemoConfig(run_dir=args.run_dir, rl_steps=args.rl_steps))
+    print(table)
+    if args.readme is not None:
+        text = args.readme.read_text()
+        new = re.sub(
+            r"(<!-- learning-table -->\n).*?(\n<!-- /learning-table -->)",
+            lambda m: m.group(1) + table + m.group(2),
+            text,
+            flags=re.S,
+        )
+        if new == text and table not in text:
+            raise SystemExit(f"{args.readme} has no <!-- learning-table --> markers")
+        args.readme.write_text(new)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Assets of the demo task (a random tiny model and prompts), shared by the CLI tests, and a
+helper that runs the ``rlhf`` command in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REWARD = '''
+def reward_func(queries, prompts, labels, **kwargs):
+    """Graded: the fraction of label characters at the right place (varies even for a random
+    policy, so group-filtering presets keep some groups)."""
+    out = []
+    for response, label in zip(kwargs["responses"], labels):
+        out.append(sum(a == b for a, b in zip(response, label)) / len(label))
+    return out
+'''
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> dict[str, pathlib.Path]:
+    from rlhf.cli.demo import make_assets
+
+    root = tmp_path_factory.mktemp("demo-assets")
+    made = make_assets(root, noise=0.6, seed=0)
+    reward = root / "graded_reward.py"
+    reward.write_text(REWARD)
+    return {**made, "reward": reward}
+
+
+def rlhf(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )

@@ -4,6 +4,11 @@ after a checkpoint resumes exactly where it stopped."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 from .conftest import rlhf
 
@@ -24,11 +29,12 @@ def _steps(run_dir) -> list[dict]:
     return [r for r in rows if "reward/mean" in r]
 
 
-def test_resume_continues_with_the_same_prompts_and_schedule(assets, tmp_path) -> None:
+def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_path) -> None:
     common = [
         "--actor.model.path", str(assets["model"]),
         "--data.prompt_data", str(assets["train"]),
         "--train.reward_func", str(assets["reward"]),
+        "--train.num_steps", "4",
         "--rollout.batch_size", "4",
         "--rollout.n_samples_per_prompt", "4",
         "--rollout.max_new_tokens", "6",
@@ -37,24 +43,34 @@ def test_resume_continues_with_the_same_prompts_and_schedule(assets, tmp_path) -
         "--vllm.num_cpus", "0.5",
         "--actor.num_cpus_per_rank", "0.5",
         "--actor.optimizer.lr", "1e-3",
-        "--actor.optimizer.warmup_steps", "3",
+        "--actor.optimizer.total_steps", "4",
+        "--actor.optimizer.min_lr_ratio", "0.0",
         "--ckpt.save_steps", "2",
     ]  # fmt: skip
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert (
-        rlhf("train", "grpo", "--run_dir", str(whole), "--train.num_steps", "4", *common).returncode
-        == 0
-    )
-    # The same run stopped after its step-2 checkpoint, then resumed to step 4.
-    first = rlhf("train", "grpo", "--run_dir", str(part), "--train.num_steps", "2", *common)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = rlhf(
-        "train", "grpo", "--run_dir", str(part), "--train.num_steps", "4", "--ckpt.load_enable", "True", *common
+    assert rlhf("train", "grpo", "--run_dir", str(whole), *common).returncode == 0
+    # The same run, killed (SIGKILL, with its Ray processes) once its step-2 checkpoint is in
+    # place, then started again with --ckpt.load_enable.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf.cli", "train", "grpo", "--run_dir", str(part), *common],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
     )  # fmt: skip
+    marker = part / "checkpoints" / "step-00000002" / "COMPLETE"
+    deadline = time.monotonic() + 600
+    while not marker.exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, "no step-2 checkpoint within 10 minutes"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    resumed = rlhf("train", "grpo", "--run_dir", str(part), "--ckpt.load_enable", "True", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "[resume] from" in resumed.stdout and "step-00000002 at step 2" in resumed.stdout
-    a, b = _steps(whole), _steps(part)
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert [r["data/prompts_crc32"] for r in a] == [r["data/prompts_crc32"] for r in b]
-    # The optimizer schedule continued (warmup 3 steps: 1/3, 2/3, 1, 1 of the peak).
-    assert [r["actor/lr"] for r in b] == [r["actor/lr"] for r in a]
+    assert "step-00000002 at step 2" in resumed.stdout
+    a = {r["step"]: r for r in _steps(whole)}
+    b = {r["step"]: r for r in _steps(part)}  # a step re-run after the kill: the later row
+    assert sorted(b) == [1, 2, 3, 4]
+    assert [b[s]["data/prompts_crc32"] for s in range(1, 5)] == [
+        a[s]["data/prompts_crc32"] for s in range(1, 5)
+    ]
+    # The optimizer schedule continued (cosine over 4 steps from the checkpoint's position).
+    assert [b[s]["actor/lr"] for s in range(1, 5)] == [a[s]["actor/lr"] for s in range(1, 5)]

@@ -130,6 +130,8 @@ class TrainConfig:
         reward_func: ``builtin:<name>`` (exact_match, math_answer, boxed_format) or a Python
             file defining ``reward_func(queries, prompts, labels, **kw)``.
         remote_url: An HTTP reward server (OpenRLHF wire format) instead of a function.
+        reward_model_path: A reward model (``rlhf train rm`` export) scores the samples for
+            training instead of the function; ``reward_func`` then only scores evaluations.
         seed: Seed of prompt order, sampling and initialisation.
     """
 
@@ -140,6 +142,7 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = 0
     reward_func: str = "builtin:exact_match"
     remote_url: str = ""
+    reward_model_path: str = ""
     seed: int = 42
 
 
@@ -252,6 +255,10 @@ class RLConfig:
                 and self.algo.overlong_buffer_len >= self.rollout.max_new_tokens,
                 "--algo.overlong_buffer_len must be smaller than --rollout.max_new_tokens "
                 "(the penalty ramps over the last buffer_len tokens of the budget)",
+            ),
+            (
+                bool(self.train.reward_model_path) and bool(self.train.remote_url),
+                "--train.reward_model_path and --train.remote_url are exclusive",
             ),
             (self.train.num_steps < 1, "--train.num_steps must be >= 1"),
             (self.vllm.num_engines < 1, "--vllm.num_engines must be >= 1"),

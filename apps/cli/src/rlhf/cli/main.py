@@ -2,7 +2,8 @@
 
     rlhf demo [--algo grpo] [--rl_steps 40] ...       the embedded task, end to end
     rlhf train {ppo,grpo,dr_grpo,reinforce,reinforce_baseline,rloo,dapo} [flags]
-    rlhf train sft [flags]
+    rlhf train {sft,rm,dpo} [flags]
+    rlhf serve-rm --model_path DIR [--port 5000]        a reward model over HTTP
     rlhf config show <preset>                         a preset, resolved, as JSON
     rlhf env                                          versions and devices
 
@@ -105,6 +106,7 @@ def env() -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from rlhf.agents import RewardError
     from rlhf.cli.config import ConfigError
     from rlhf.cli.data import DataSourceError
     from rlhf.learner import CheckpointError, DataError, ModelLoadError
@@ -121,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_demo(_parse(DemoConfig, rest, DemoConfig(), "rlhf demo"))
         elif command == "train":
             return _train(rest)
+        elif command == "serve-rm":
+            from rlhf.cli.serve_rm import ServeRMConfig, serve_rm
+
+            serve_rm(_parse(ServeRMConfig, rest, ServeRMConfig(), "rlhf serve-rm"))
         elif command == "config" and rest[:1] == ["show"] and len(rest) == 2:
             from rlhf.cli.presets import resolve
 
@@ -137,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         DataError,
         ModelLoadError,
         CheckpointError,
+        RewardError,
     ) as exc:
         print(f"rlhf: {exc}", file=sys.stderr)
         return 2
@@ -147,13 +154,20 @@ def _train(rest: list[str]) -> int:
     from rlhf.cli.presets import PRESETS, resolve
 
     if not rest or rest[0] in ("-h", "--help"):
-        print(f"usage: rlhf train {{{','.join(sorted(PRESETS))},sft}} [flags]")
+        print(f"usage: rlhf train {{{','.join(sorted(PRESETS))},sft,rm,dpo}} [flags]")
         return 0
     algo, flags = rest[0], rest[1:]
     if algo == "sft":
         from rlhf.cli.sft import SFTConfig, run_sft
 
         run_sft(_parse(SFTConfig, flags, SFTConfig(), "rlhf train sft"))
+        return 0
+    if algo in ("rm", "dpo"):
+        from rlhf.cli.preference import PreferenceConfig, run_preference
+
+        default = PreferenceConfig(run_dir=f"runs/{algo}")
+        parsed = _parse(PreferenceConfig, flags, default, f"rlhf train {algo}")
+        run_preference(parsed, kind=algo)
         return 0
     from rlhf.cli.config import RLConfig
     from rlhf.cli.rl import run_rl

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,47 @@ class MetricsLog:
         }
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
+
+
+class Progress:
+    """The console's view of a run: one line per step with the step out of the total, reward,
+    response length, generated tokens per second and the time left at the pace so far.
+
+    Args:
+        total: Steps of the run.
+        start: The step it starts from (a resumed run counts its pace from there).
+    """
+
+    def __init__(self, *, total: int, start: int = 0) -> None:
+        self.total = total
+        self.start = start
+        self._t0 = time.monotonic()
+
+    def line(self, step: int, metrics: Mapping[str, Any]) -> str:
+        """``step`` is the number of steps done; ``metrics`` the step's metrics."""
+        elapsed = time.monotonic() - self._t0
+        done = max(step - self.start, 1)
+        eta = elapsed / done * (self.total - step)
+        parts = [f"[{step}/{self.total}]"]
+        if "reward/mean" in metrics:
+            parts.append(f"reward {metrics['reward/mean']:.3f}")
+        length = metrics.get("rollout/response_length_mean")
+        if length is not None:
+            parts.append(f"len {length:.1f}")
+            gen = metrics.get("time/generation_s")
+            if gen:
+                samples = metrics.get("rollout/samples", 0.0)
+                parts.append(f"{length * samples / gen:.0f} tok/s")
+        parts.append(f"{elapsed / done:.1f} s/step")
+        parts.append(f"ETA {_duration(eta)}")
+        return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(int(round(seconds)), 0)
+    minutes, sec = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{sec:02d}s"
 
 
 def read(path: pathlib.Path) -> list[dict[str, Any]]:

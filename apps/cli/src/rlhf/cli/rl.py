@@ -45,7 +45,7 @@ from rlhf.algos import (
 )
 from rlhf.cli.config import RLConfig
 from rlhf.cli.data import PromptSampler, load_prompts
-from rlhf.cli.metrics import MetricsLog, plot_curves
+from rlhf.cli.metrics import MetricsLog, Progress, plot_curves
 from rlhf.learner import (
     Batch,
     CriticObjective,
@@ -54,6 +54,7 @@ from rlhf.learner import (
     collate,
     iter_buckets,
     latest_checkpoint,
+    sequence_scores,
     token_logprobs,
     token_values,
 )
@@ -80,7 +81,8 @@ def _reward_scorer(config: RLConfig) -> Any:
 
     train = config.train
     if train.remote_url:
-        return RemoteReward(RemoteRewardConfig(url=train.remote_url))
+        urls = tuple(u.strip() for u in train.remote_url.split(",") if u.strip())
+        return RemoteReward(RemoteRewardConfig(urls=urls))
     if train.reward_func.startswith("builtin:"):
         name = train.reward_func.removeprefix("builtin:")
         func = getattr(builtin_rewards, name, None)
@@ -152,11 +154,12 @@ class _Roles:
     actor: Any
     ref: Any | None
     critic: Any | None
+    reward_model: Any | None = None
 
     def shutdown(self) -> None:
         for e in self.engines:
             e.shutdown()
-        for g in (self.actor, self.ref, self.critic):
+        for g in (self.actor, self.ref, self.critic, self.reward_model):
             if g is not None:
                 g.shutdown()
 
@@ -207,7 +210,18 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
         role = dataclasses.replace(role, model=dataclasses.replace(role.model, kind="scalar"))
         critic = group(role)
         critic.build(_learner(role, seed=seed, total_steps=total_optimizer_steps))
-    return _Roles(engines, pool, actor, ref, critic)
+    reward_model = None
+    if config.train.reward_model_path:
+        from rlhf.learner import ModelConfig
+
+        scorer = dataclasses.replace(
+            config.actor,
+            num_ranks=1,
+            model=ModelConfig(path=config.train.reward_model_path, kind="scalar"),
+        )
+        reward_model = group(scorer)
+        reward_model.build(_learner(scorer, seed=seed, total_steps=1, train=False))
+    return _Roles(engines, pool, actor, ref, critic, reward_model)
 
 
 def _assemble(pairs: list[tuple[list[int], torch.Tensor]], batch: Batch) -> torch.Tensor:
@@ -242,6 +256,20 @@ def _values(model: Any, b: Batch) -> torch.Tensor:
     return token_values(model, b.input_ids, b.attention_mask)
 
 
+def _scores(model: Any, b: Batch) -> torch.Tensor:
+    return sequence_scores(model, b.input_ids, b.attention_mask)
+
+
+def _row_scores(group: Any, batch: Batch, config: RLConfig) -> torch.Tensor:
+    out = torch.zeros(batch.size)
+    t = config.train
+    for rows, scores in group.forward(
+        batch, _scores, max_rows=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch or None
+    ):
+        out[rows] = scores
+    return out
+
+
 async def _evaluate(
     executor_for: Callable[..., Any], prompts: dict[str, list[Any]], config: RLConfig
 ) -> dict[str, float]:
@@ -273,6 +301,8 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
     check_model_dir(config.actor.model.path)
     if config.uses_critic and config.critic.model.path:
         check_model_dir(config.critic.model.path)
+    if config.train.reward_model_path:
+        check_model_dir(config.train.reward_model_path)
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
@@ -330,10 +360,12 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
             log.write(evaluations[-1])
             echo(_line(evaluations[-1]))
         metrics: dict[str, Any] = {}
+        progress = Progress(total=config.train.num_steps, start=start)
         for step in range(start, config.train.num_steps):
             metrics = _step(step, config, roles, sampler, executor_for, kl_ctl)
             metrics["step"] = step + 1
             log.write(metrics)
+            echo(progress.line(step + 1, metrics))
             echo(_line(metrics))
             last = step + 1 == config.train.num_steps
             if eval_prompts and config.eval.steps and ((step + 1) % config.eval.steps == 0 or last):
@@ -457,7 +489,10 @@ def _step(
             "rollout_logprobs": [tr.rollout_logprobs for tr in trajectories],
         },
     )
-    raw_rewards = torch.tensor([float(tr.reward) for tr in trajectories])
+    if roles.reward_model is not None:  # the reward model scores prompt + response
+        raw_rewards = _row_scores(roles.reward_model, batch, config)
+    else:
+        raw_rewards = torch.tensor([float(tr.reward) for tr in trajectories])
     rewards = raw_rewards
     truncated = torch.tensor([bool(tr.truncated) for tr in trajectories])
     lengths = batch["action_mask"].sum(dim=1)
@@ -484,10 +519,18 @@ def _step(
             roles.actor, batch, _logprob_fn(r.temperature), config
         )
     kl = None
+    step0_gap = float("nan")
     if roles.ref is not None:
         batch.fields["ref_logprobs"] = _forward(
             roles.ref, batch, _logprob_fn(r.temperature), config
         )
+        if step == 0:
+            # Before any update the trainer's policy is the reference: their log-probs must
+            # agree (the rollout's differ by the engine's numerics; actor/rollout_* reports that).
+            policy = batch.fields.get("old_logprobs")
+            if policy is None:
+                policy = _forward(roles.actor, batch, _logprob_fn(r.temperature), config)
+            step0_gap = float(((policy - batch["ref_logprobs"]).abs() * mask).max())
         current = batch.fields.get("old_logprobs", batch["rollout_logprobs"])
         kl = kl_penalty(
             logprobs=current,
@@ -547,6 +590,8 @@ def _step(
 
     if kl is not None:
         mean_kl = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        if step == 0:
+            train_metrics["check/step0_policy_ref_logprob_gap_max"] = step0_gap
         kl_ctl.update(current_kl=mean_kl, n_steps=batch.size)
         train_metrics["kl/mean"] = mean_kl
         train_metrics["kl/coef"] = kl_coef

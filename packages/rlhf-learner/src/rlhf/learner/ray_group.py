@@ -159,6 +159,22 @@ class LearnerGroup:
         (the sum of the ranks' shares); other metrics are averaged over the ranks that had
         data."""
         parts = self.split(batch, max_tokens=max_tokens, max_rows=max_rows)
+        return self._train(parts, objective)
+
+    def train_micro_batches(self, micro: Sequence[Batch], objective: Any) -> dict[str, float]:
+        """One optimizer step over micro-batches the caller made (e.g. whole preference
+        pairs), dealt round-robin to the ranks; ranks left without one run a weight-0 copy."""
+        if not micro:
+            raise ValueError("train_micro_batches needs at least one micro-batch")
+        dealt: list[list[Batch]] = [
+            list(micro[r :: self.world_size]) for r in range(self.world_size)
+        ]
+        parts = [(m, [1.0] * len(m)) if m else ([micro[0]], [0.0]) for m in dealt]
+        return self._train(parts, objective)
+
+    def _train(
+        self, parts: list[tuple[list[Batch], list[float]]], objective: Any
+    ) -> dict[str, float]:
         results = self._all("train_step", per_rank=[(m, objective, w) for m, w in parts])
         keys = {k for r in results for k in r}
         # A rank that only ran a weight-0 pass reports no metrics of its own.

@@ -1,0 +1,83 @@
+"""An RL run scored by a real HTTP reward server on 127.0.0.1 (OpenRLHF's wire format), and
+the error when the server is down."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from .conftest import rlhf
+
+
+@pytest.fixture(scope="module")
+def reward_server():
+    app = FastAPI()
+    seen: dict[str, int] = {"requests": 0, "samples": 0}
+
+    @app.post("/get_reward")
+    async def get_reward(request: Request):
+        body = await request.json()
+        seen["requests"] += 1
+        seen["samples"] += len(body["query"])
+        # The query is prompt + response; reward the fraction of label characters in place.
+        rewards = []
+        for query, label in zip(body["query"], body["labels"], strict=True):
+            response = query.split(":", 1)[1]
+            rewards.append(sum(a == b for a, b in zip(response, label, strict=False)) / len(label))
+        return {"rewards": rewards}
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "reward server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}/get_reward", seen
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _args(assets, run_dir, url: str) -> list[str]:
+    return [
+        "--run_dir", str(run_dir),
+        "--actor.model.path", str(assets["model"]),
+        "--data.prompt_data", str(assets["train"]),
+        "--train.remote_url", url,
+        "--train.num_steps", "2",
+        "--rollout.batch_size", "4",
+        "--rollout.n_samples_per_prompt", "4",
+        "--rollout.max_new_tokens", "6",
+        "--rollout.max_len", "16",
+        "--eval.steps", "0",
+        "--vllm.num_cpus", "0.5",
+        "--actor.num_cpus_per_rank", "0.5",
+    ]  # fmt: skip
+
+
+def test_rl_with_a_remote_reward_server(assets, tmp_path, reward_server) -> None:
+    url, seen = reward_server
+    out = rlhf("train", "rloo", *_args(assets, tmp_path, url))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 2
+    assert seen["samples"] == 2 * 16  # every sample of both steps was scored remotely
+    assert any(0 < r["reward/mean"] < 1 for r in steps)  # graded, not all-or-nothing
+
+
+def test_a_reward_server_that_is_down_stops_the_run_naming_it(assets, tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/get_reward"  # nothing listens there
+    out = rlhf("train", "rloo", *_args(assets, tmp_path, url))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert url in out.stderr

@@ -10,7 +10,13 @@
    (chunked, no full float32 log-softmax) against ``log_softmax(logits.float()).gather``; the
    peak RSS above the loaded model and batch is compared as a ratio (lower is better).
 
-Usage: python benchmarks/bench_learner.py [--json out.json] [--quick]
+3. ``--scale 0.5B,1.5B`` (GPU): the same side-by-side actor step in bf16 (ZeRO-2, fp32 master
+   weights) on random Qwen2-shaped models of those sizes, 8 x 2048 tokens per step in micro-batches
+   of 2 rows (``--micro-rows``); reports seconds per step and MFU. Model FLOPs per step =
+   6 * (non-embedding params + lm_head params) * tokens + 6 * layers * hidden * seq * tokens
+   (causal attention, forward + backward); MFU divides by the H200's dense bf16 peak (989 TFLOP/s).
+
+Usage: python benchmarks/bench_learner.py [--json out.json] [--quick] [--scale 0.5B,1.5B]
 """
 
 from __future__ import annotations
@@ -37,12 +43,45 @@ SHAPE = {
 }
 
 
-def make_model(path: pathlib.Path) -> None:
+# Qwen2-0.5B / Qwen2-1.5B shapes (random weights).
+SCALES = {
+    "0.5B": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+    },
+    "1.5B": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+    },
+}
+H200_BF16_DENSE_FLOPS = 989e12
+
+
+def make_model(path: pathlib.Path, shape: dict[str, int] = SHAPE) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(**SHAPE, max_position_embeddings=2048, tie_word_embeddings=True)
+    config = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True)
     Qwen2ForCausalLM(config).save_pretrained(path)
+
+
+def step_flops(shape: dict[str, int], *, rows: int, length: int) -> float:
+    """Model FLOPs of one training step (forward + backward) on ``rows x length`` tokens."""
+    h, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    head = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * head
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter  # q, o, k, v, gate/up/down
+    matmul_params = layers * per_layer + shape["vocab_size"] * h  # + lm_head
+    tokens = rows * length
+    return 6.0 * matmul_params * tokens + 6.0 * layers * h * length * tokens
 
 
 def rl_batch(*, rows: int, length: int, vocab: int) -> Any:
@@ -71,7 +110,18 @@ def plain_loss(model: Any, batch: Any, normalizer: float) -> torch.Tensor:
     return (surrogate * mask).sum() / normalizer
 
 
-def bench_step(model_dir: pathlib.Path, *, rounds: int, stage: int) -> dict[str, float]:
+def bench_step(
+    model_dir: pathlib.Path,
+    *,
+    rounds: int,
+    stage: int,
+    shape: dict[str, int] = SHAPE,
+    rows: int = 8,
+    length: int = 256,
+    micro_rows: int = 4,
+    bf16: bool = False,
+    profile: bool = False,
+) -> dict[str, float]:
     import deepspeed
 
     from rlhf.algos import AlgoConfig, loss_normalizer
@@ -90,7 +140,7 @@ def bench_step(model_dir: pathlib.Path, *, rounds: int, stage: int) -> dict[str,
     config = LearnerConfig(
         model=ModelConfig(path=str(model_dir)),
         optimizer=OptimizerConfig(lr=1e-6, grad_clip=1.0),
-        deepspeed=DeepSpeedConfig(zero_stage=stage),
+        deepspeed=DeepSpeedConfig(zero_stage=stage, bf16=bf16),
     )
     ours = DeepSpeedBackend(config)
     model = load_model(config.model)
@@ -98,21 +148,28 @@ def bench_step(model_dir: pathlib.Path, *, rounds: int, stage: int) -> dict[str,
     plain, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(config)
     )
-    batch = rl_batch(rows=8, length=256, vocab=SHAPE["vocab_size"])
-    micro = [batch.select(range(0, 4)), batch.select(range(4, 8))]
+    batch = rl_batch(rows=rows, length=length, vocab=shape["vocab_size"])
+    micro = [
+        batch.select(range(i, min(i + micro_rows, rows))).to(ours.device)
+        for i in range(0, rows, micro_rows)
+    ]
     norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
     # The plain loop logs no entropy; neither does ours here (the same work on both sides).
     objective = PPOActorObjective(algo=AlgoConfig(), normalizer=norm, entropy_metric=False)
     tokens = int(batch.attention_mask.sum())
+
+    sync = torch.cuda.synchronize if ours.device.type == "cuda" else (lambda: None)
 
     def run_plain() -> None:
         plain.train()
         for mb in micro:
             plain.backward(plain_loss(plain, mb, norm), scale_wrt_gas=False)
         plain.step()
+        sync()
 
     def run_ours() -> None:
         ours.train_step(micro, objective)
+        sync()
 
     times: dict[str, list[float]] = {"plain": [], "ours": []}
     for r in range(rounds + 1):
@@ -121,11 +178,25 @@ def bench_step(model_dir: pathlib.Path, *, rounds: int, stage: int) -> dict[str,
             fn()
             if r:
                 times[name].append(time.perf_counter() - start)
+    if profile:  # where each side's step time goes (GPU kernels and host)
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        for name, fn in (("plain", run_plain), ("ours", run_ours)):
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14)
+            print(f"--- profile {name} ---\n{table}", flush=True)
     plain_tps = tokens / statistics.median(times["plain"])
     ours_tps = tokens / statistics.median(times["ours"])
+    flops = step_flops(shape, rows=rows, length=length)
     return {
         "zero_stage": float(stage),
         "tokens_per_step": float(tokens),
+        "plain_s_per_step": statistics.median(times["plain"]),
+        "ours_s_per_step": statistics.median(times["ours"]),
+        "ours_tflops": flops / statistics.median(times["ours"]) / 1e12,
+        "ours_mfu_h200": flops / statistics.median(times["ours"]) / H200_BF16_DENSE_FLOPS,
         "plain_tokens_per_s": plain_tps,
         "ours_tokens_per_s": ours_tps,
         "ratio_ours_over_plain": ours_tps / plain_tps,
@@ -182,6 +253,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=pathlib.Path, default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--scale", default="", help="GPU: comma-separated sizes of SCALES")
+    parser.add_argument("--profile", action="store_true", help="with --scale: profile a step")
+    parser.add_argument("--micro-rows", type=int, default=2, help="with --scale: rows per micro")
     parser.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -190,6 +264,22 @@ def main() -> None:
         return
     rounds = 3 if args.quick else 7
     results: dict[str, Any] = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
+    if args.scale:
+        if not torch.cuda.is_available():
+            parser.error("--scale needs a GPU")
+        for size in args.scale.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                make_model(pathlib.Path(tmp), SCALES[size])
+                results[f"actor_step_{size}"] = bench_step(
+                    pathlib.Path(tmp), rounds=rounds, stage=2, shape=SCALES[size],
+                    rows=8, length=2048, micro_rows=args.micro_rows, bf16=True,
+                    profile=args.profile,
+                )  # fmt: skip
+            print(f"actor_step_{size}:", json.dumps(results[f"actor_step_{size}"]), flush=True)
+            torch.cuda.empty_cache()
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = pathlib.Path(tmp) / "model"
         make_model(model_dir)

@@ -4,7 +4,9 @@
    - raw vLLM: every request added to the engine directly and ``step()`` run until done (what
      ``vllm.LLM.generate`` does), on the engine's own thread;
    - our path: `EnginePool` over `VLLMEngine`, ``generate_group`` per prompt from asyncio;
-   - engine only: ``VLLMEngine.generate`` per sample (no pool), to separate the two layers.
+   - engine only: ``VLLMEngine.generate`` per sample (no pool), to separate the two layers;
+   - engine only, all queued: the same with the engine paused until every request is queued
+     (raw adds all requests before its first step).
    The order rotates every round. Ratio = median tokens/s of ours / raw (target >= 0.97).
 2. Weight sync, per model size, median seconds per full sync of a changed state dict:
    - bucketed: `VLLMEngine.update_weights` (validation with checksums, layer-wise reload, tied
@@ -149,10 +151,23 @@ def bench_throughput(
         )
         return sum(len(g.token_ids) for g in outs)
 
+    async def engine_only_all_queued() -> int:
+        # As engine_only, but every request reaches vLLM before the first step, as in raw:
+        # separates a staggered arrival from the per-step cost of the wrapper.
+        engine.pause()
+        tasks = [
+            asyncio.ensure_future(engine.generate(p, sampling)) for p in batch for _ in range(n)
+        ]
+        await asyncio.sleep(0)
+        engine.resume()
+        outs = await asyncio.gather(*tasks)
+        return sum(len(g.token_ids) for g in outs)
+
     runs = {
         "raw": lambda r: engine.call(raw_generate, batch, n, params, f"raw{r}"),
         "ours": lambda r: asyncio.run(ours()),
         "engine_only": lambda r: asyncio.run(engine_only()),
+        "engine_only_all_queued": lambda r: asyncio.run(engine_only_all_queued()),
     }
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(rounds + 1):  # round 0 warms everything up
@@ -170,6 +185,7 @@ def bench_throughput(
         "engine_only_tokens_per_s": med["engine_only"],
         "ratio_ours_over_raw": med["ours"] / med["raw"],
         "ratio_engine_only_over_raw": med["engine_only"] / med["raw"],
+        "ratio_engine_only_all_queued_over_raw": med["engine_only_all_queued"] / med["raw"],
     }
 
 

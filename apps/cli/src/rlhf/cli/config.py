@@ -5,6 +5,7 @@ under OpenRLHF-style dotted flags (``--rollout.n_samples_per_prompt``, ``--algo.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from dataclasses import dataclass, field
 
 from rlhf.algos import AlgoConfig
@@ -132,6 +133,12 @@ class TrainConfig:
         remote_url: An HTTP reward server (OpenRLHF wire format) instead of a function.
         reward_model_path: A reward model (``rlhf train rm`` export) scores the samples for
             training instead of the function; ``reward_func`` then only scores evaluations.
+        agent_func_path: A Python file with a multi-turn environment class ``Environment``
+            (``reset(prompt, label)``, ``step(action_text)`` -> feedback/reward/done) or an
+            OpenAI-client agent ``agent(base_url, prompt, label)`` returning its reward; the
+            episode's rewards replace ``reward_func`` for training (evaluations stay
+            single-turn, scored by ``reward_func``).
+        agent_max_turns: Most policy turns per episode (environment files).
         seed: Seed of prompt order, sampling and initialisation.
     """
 
@@ -143,6 +150,8 @@ class TrainConfig:
     reward_func: str = "builtin:exact_match"
     remote_url: str = ""
     reward_model_path: str = ""
+    agent_func_path: str = ""
+    agent_max_turns: int = 4
     seed: int = 42
 
 
@@ -259,6 +268,18 @@ class RLConfig:
             (
                 bool(self.train.reward_model_path) and bool(self.train.remote_url),
                 "--train.reward_model_path and --train.remote_url are exclusive",
+            ),
+            (
+                bool(self.train.agent_func_path)
+                and bool(self.train.reward_model_path or self.train.remote_url),
+                "--train.agent_func_path returns its own rewards; drop "
+                "--train.reward_model_path / --train.remote_url",
+            ),
+            (self.train.agent_max_turns < 1, "--train.agent_max_turns must be >= 1"),
+            (
+                bool(self.train.agent_func_path)
+                and not pathlib.Path(self.train.agent_func_path).is_file(),
+                f"--train.agent_func_path {self.train.agent_func_path!r}: no such file",
             ),
             (self.train.num_steps < 1, "--train.num_steps must be >= 1"),
             (self.vllm.num_engines < 1, "--vllm.num_engines must be >= 1"),

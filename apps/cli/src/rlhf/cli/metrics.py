@@ -62,7 +62,7 @@ class Progress:
 
 
 def _duration(seconds: float) -> str:
-    seconds = max(int(round(seconds)), 0)
+    seconds = max(round(seconds), 0)
     minutes, sec = divmod(seconds, 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{sec:02d}s"

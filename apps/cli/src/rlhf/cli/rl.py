@@ -43,7 +43,7 @@ from rlhf.algos import (
     overlong_penalty,
     stop_properly_penalty,
 )
-from rlhf.cli.config import RLConfig
+from rlhf.cli.config import ConfigError, RLConfig
 from rlhf.cli.data import PromptSampler, load_prompts
 from rlhf.cli.metrics import MetricsLog, Progress, plot_curves
 from rlhf.learner import (
@@ -318,12 +318,15 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
         train_prompts, probs=config.data.prompt_data_probs, seed=config.train.seed
     )
     reward = _reward_scorer(config)
+    user_agent = agent_module(config) if config.train.agent_func_path else None
     r = config.rollout
     total_opt_steps = config.train.num_steps * config.optimizer_steps_per_rollout
     roles = _start(config, total_opt_steps)
     kl_ctl = make_kl_controller(config.algo.kl)
 
-    def executor_for(temperature: float) -> SingleTurnExecutor:
+    agents: dict[float, Any] = {}
+
+    def executor_for(temperature: float, *, train: bool = False) -> Any:
         sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens,
             temperature=temperature,
@@ -331,6 +334,12 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
             top_k=r.top_k,
             stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else (),
         )
+        if train and config.train.agent_func_path:
+            if temperature not in agents:  # the user's file is imported once
+                agents[temperature] = agent_executor(
+                    config, user_agent, tokenizer=tokenizer, generator=roles.pool, sampling=sampling
+                )
+            return agents[temperature]
         return SingleTurnExecutor(
             tokenizer=tokenizer,
             generator=roles.pool,
@@ -438,7 +447,7 @@ def _step(
     r, algo, t = config.rollout, config.algo, config.train
     timings: dict[str, float] = {}
     tick = time.perf_counter()
-    executor = executor_for(r.temperature)
+    executor = executor_for(r.temperature, train=True)
     trajectories: list[Any] = []
     gen_metrics: dict[str, float] = {}
     dropped_groups = 0
@@ -607,12 +616,60 @@ def _step(
         **{
             k: float(v)
             for k, v in gen_metrics.items()
-            if k.startswith(("rollout/truncated", "reward/"))
+            if k.startswith(("rollout/truncated", "reward/", "env/"))
         },
         **{k: float(v) for k, v in adv.metrics.items()},
         **train_metrics,
         **timings,
     }
+
+
+def agent_module(config: RLConfig) -> Any:
+    """The imported ``--train.agent_func_path`` file, or a `ConfigError` when it defines
+    neither an ``Environment`` class nor an ``agent`` function."""
+    from rlhf.agents.loading import load_module
+
+    path = config.train.agent_func_path
+    try:
+        module = load_module(path, purpose="--train.agent_func_path")
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if not hasattr(module, "Environment") and not callable(getattr(module, "agent", None)):
+        raise ConfigError(
+            f"--train.agent_func_path {path!r} defines neither an `Environment` class "
+            "(multi-turn environment) nor an `agent` function (OpenAI-client agent)"
+        )
+    return module
+
+
+def agent_executor(
+    config: RLConfig, module: Any, *, tokenizer: Any, generator: Any, sampling: Any
+) -> Any:
+    """The executor of ``--train.agent_func_path``: an ``Environment`` class runs token-in,
+    token-out multi-turn episodes; an ``agent`` function talks to the policy through an
+    OpenAI-compatible server on 127.0.0.1."""
+    from rlhf.agents import EnvironmentFactory, MultiTurnExecutor, OpenAIAgentExecutor
+
+    path = config.train.agent_func_path
+    if hasattr(module, "Environment"):
+        return MultiTurnExecutor(
+            tokenizer=tokenizer,
+            generator=generator,
+            environments=EnvironmentFactory(
+                module.Environment, source=f"environment Environment in {path}"
+            ),
+            sampling=sampling,
+            max_len=config.rollout.max_len,
+            max_turns=config.train.agent_max_turns,
+        )
+    return OpenAIAgentExecutor(
+        agent=module.agent,
+        source=f"agent in {path}",
+        tokenizer=tokenizer,
+        generator=generator,
+        sampling=sampling,
+        max_len=config.rollout.max_len,
+    )
 
 
 def _complete_groups(trajectories: list[Any], n: int) -> list[list[Any]]:

@@ -1,0 +1,59 @@
+"""``--train.agent_func_path``: a multi-turn environment from a user's file drives training."""
+
+from __future__ import annotations
+
+import json
+
+from .conftest import rlhf
+from .test_commands import _train_args
+
+RETRY_ENV = '''
+class Environment:
+    """Sort the digits; a wrong first answer gets ':' back and one more try (half reward)."""
+
+    def reset(self, prompt, label):
+        self.label = label
+        self.turns = 0
+
+    def step(self, action_text):
+        self.turns += 1
+        answer = action_text.replace("<eos>", "").strip()
+        if answer == self.label:
+            return {"reward": 1.0 / self.turns, "done": True, "metrics": {"solved": 1.0}}
+        if self.turns == 2:
+            return {"reward": 0.0, "done": True, "metrics": {"solved": 0.0}}
+        return {"feedback": ":", "reward": 0.0, "done": False}
+'''
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_a_multi_turn_environment_trains(assets, tmp_path) -> None:
+    env = tmp_path / "retry_env.py"
+    env.write_text(RETRY_ENV)
+    args = _train_args(assets, tmp_path / "run")
+    args[args.index("--rollout.max_len") + 1] = "24"  # prompt 5 + 2 turns of 6 + feedback
+    out = rlhf(
+        "train", "grpo", *args,
+        "--train.agent_func_path", str(env), "--train.agent_max_turns", "3",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [r for r in _rows(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        # The environment ends every episode by its second turn; the random policy is wrong
+        # at the first turn most of the time, so most episodes take two.
+        assert 1.0 < r["env/turns_mean"] <= 2.0
+        assert r["reward/mean"] in (0.0, *[k / 32 for k in range(1, 33)])  # 1, 1/2 or 0 each
+        assert r["actor/grad_norm"] >= 0
+
+
+def test_an_agent_file_without_environment_or_agent_is_named(assets, tmp_path) -> None:
+    bad = tmp_path / "nothing.py"
+    bad.write_text("X = 1\n")
+    out = rlhf("train", "grpo", *_train_args(assets, tmp_path / "run"),
+               "--train.agent_func_path", str(bad))  # fmt: skip
+    assert out.returncode == 2
+    assert "--train.agent_func_path" in out.stderr and "Environment" in out.stderr

@@ -26,6 +26,30 @@ class Environment:
 '''
 
 
+ECHO_AGENT = '''
+import httpx
+
+
+async def agent(base_url, prompt, label, **kwargs):
+    """One chat request to the policy; reward 1 for the sorted digits."""
+    async with httpx.AsyncClient() as client:
+        response = await client.post(
+            f"{base_url}/chat/completions",
+            json={"model": "policy", "messages": [{"role": "user", "content": prompt}]},
+            timeout=60,
+        )
+    response.raise_for_status()
+    text = response.json()["choices"][0]["message"]["content"] or ""
+    return {"reward": float(text.replace("<eos>", "").strip() == label)}
+'''
+
+# A template for the character-level demo tokenizer: user text as is, assistant text + <eos>.
+TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}<eos>{% endif %}{% endfor %}"
+)
+
+
 def _rows(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
@@ -57,3 +81,26 @@ def test_an_agent_file_without_environment_or_agent_is_named(assets, tmp_path) -
                "--train.agent_func_path", str(bad))  # fmt: skip
     assert out.returncode == 2
     assert "--train.agent_func_path" in out.stderr and "Environment" in out.stderr
+
+
+def test_an_openai_client_agent_trains(assets, tmp_path) -> None:
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(assets["model"], model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(model)
+    agent = tmp_path / "echo_agent.py"
+    agent.write_text(ECHO_AGENT)
+    args = _train_args(assets, tmp_path / "run")
+    args[args.index("--actor.model.path") + 1] = str(model)
+    out = rlhf("train", "grpo", *args, "--train.agent_func_path", str(agent))
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [r for r in _rows(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["reward/mean"] in [k / 16 for k in range(17)]  # 0/1 per episode
+        assert r["rollout/response_length_mean"] >= 1  # the agent's completion was trained on

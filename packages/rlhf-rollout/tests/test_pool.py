@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rlhf.agents import Generator, SamplingParams, SingleTurnExecutor
 from rlhf.agents.rewards import FunctionReward
 from rlhf.rollout import EngineConfig, EnginePool, RayEngine, WeightSyncError, spawn_engines
-from rlhf.rollout.transports.host import put_buckets, send_shared_memory
+from rlhf.rollout.transports.host import SharedMemoryChannel, put_buckets, send_shared_memory
 
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -219,8 +219,10 @@ def _greedy_all(engines):
     return [g.token_ids for g in asyncio.run(go())]
 
 
-@pytest.mark.parametrize("transport", ["object_store", "shared_memory"])
+@pytest.mark.parametrize("transport", ["object_store", "shared_memory", "shared_memory_channel"])
 def test_host_transports_sync_both_engines(ray_engines, checkpoint, pack, transport) -> None:
+    """Two syncs in a row (the channel rewrites one segment that the engines keep mapped)."""
+    channel = SharedMemoryChannel()
     state = load_file(str(checkpoint / "model.safetensors"))
     before = _greedy_all(ray_engines)
     assert before[0] == before[1]
@@ -231,6 +233,9 @@ def test_host_transports_sync_both_engines(ray_engines, checkpoint, pack, transp
         if transport == "object_store":
             refs = put_buckets(buckets)
             versions = [e.update_weights(refs, verify=True) for e in ray_engines]
+        elif transport == "shared_memory_channel":
+            sync = channel.send(buckets)
+            versions = [e.update_weights_from_shared_memory(sync, verify=True) for e in ray_engines]
         else:
             with send_shared_memory(buckets) as sync:
                 versions = [
@@ -240,6 +245,7 @@ def test_host_transports_sync_both_engines(ray_engines, checkpoint, pack, transp
         after = _greedy_all(ray_engines)
         assert after[0] == after[1]
         assert (after[0] == before[0]) == (weights is state)
+    channel.close()
 
 
 def test_a_corrupted_bucket_over_shared_memory_is_rejected(ray_engines, checkpoint, pack) -> None:

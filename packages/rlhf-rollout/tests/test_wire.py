@@ -84,3 +84,32 @@ def test_crc32_default_on_host_and_its_digest() -> None:
     assert bucket.checksum_algorithm == "crc32"
     raw = data.numpy().tobytes()
     assert bucket.tensors[0].checksum == f"{len(raw):x}-{zlib.crc32(raw):08x}"
+
+
+def test_shared_memory_channel_reuses_its_segment_and_grows_when_needed(pack) -> None:
+    from multiprocessing import shared_memory
+
+    from rlhf.rollout.buckets import iter_tensors
+    from rlhf.rollout.transports.host import SharedMemoryChannel, SharedMemoryReceiver
+
+    small = {"a": torch.arange(6, dtype=torch.float32)}
+    big = {"a": torch.arange(6, dtype=torch.float32) * 2, "b": torch.ones(4096)}
+    receiver = SharedMemoryReceiver()
+    with SharedMemoryChannel() as channel:
+        first = channel.send(pack(small, version=1, bucket_bytes=1 << 20))
+        assert first.persistent
+        got = dict(iter_tensors(receiver.buckets(first)))
+        assert torch.equal(got["a"], small["a"])
+        again = channel.send(pack({"a": small["a"] + 1}, version=2, bucket_bytes=1 << 20))
+        assert again.name == first.name  # rewritten in place
+        assert torch.equal(dict(iter_tensors(receiver.buckets(again)))["a"], small["a"] + 1)
+        grown = channel.send(pack(big, version=3, bucket_bytes=1 << 20))
+        assert grown.name != first.name
+        got = dict(iter_tensors(receiver.buckets(grown)))
+        assert torch.equal(got["a"], big["a"]) and torch.equal(got["b"], big["b"])
+        with pytest.raises(FileNotFoundError):  # the outgrown segment was unlinked
+            shared_memory.SharedMemory(name=first.name)
+        del got
+    receiver.close()
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=grown.name)

@@ -19,7 +19,11 @@ from rlhf.rollout.buckets import WeightBucket
 from rlhf.rollout.config import EngineConfig
 from rlhf.rollout.engine import VLLMEngine
 from rlhf.rollout.transports.cuda_ipc import CudaIpcSync, receive_cuda_ipc
-from rlhf.rollout.transports.host import SharedMemorySync, receive_shared_memory
+from rlhf.rollout.transports.host import (
+    SharedMemoryReceiver,
+    SharedMemorySync,
+    receive_shared_memory,
+)
 
 
 class EngineActor:
@@ -28,6 +32,7 @@ class EngineActor:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = VLLMEngine(config).start()
         self.group: Any = None  # NcclGroup with the learner, once `init_weight_group` ran
+        self.shm_receiver = SharedMemoryReceiver()
 
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -46,10 +51,10 @@ class EngineActor:
         import ray
 
         resolved = []
-        for item in buckets:
-            item = ray.get(item) if isinstance(item, ray.ObjectRef) else item
+        for item in buckets:  # awaited, not ray.get: requests keep flowing meanwhile
+            item = await item if isinstance(item, ray.ObjectRef) else item
             if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], ray.ObjectRef):
-                item = (item[0], ray.get(item[1]))  # a header beside its buffer's ref
+                item = (item[0], await item[1])  # a header beside its buffer's ref
             resolved.append(item)
         return await asyncio.to_thread(
             self.engine.update_weights, resolved, require_all=require_all, verify=verify
@@ -58,9 +63,13 @@ class EngineActor:
     async def update_weights_from_shared_memory(
         self, sync: SharedMemorySync, *, require_all: bool = True, verify: bool = False
     ) -> int:
-        """Load a sync that the sender wrote into shared memory (`send_shared_memory`)."""
+        """Load a sync that the sender wrote into shared memory (`send_shared_memory`, or a
+        `SharedMemoryChannel`, whose segment stays mapped here between syncs)."""
 
         def load() -> int:
+            if sync.persistent:
+                buckets = self.shm_receiver.buckets(sync)
+                return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
             with receive_shared_memory(sync) as buckets:
                 return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
 
@@ -122,6 +131,7 @@ class EngineActor:
         return self.engine.weight_version
 
     def shutdown(self) -> None:
+        self.shm_receiver.close()
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -237,6 +247,7 @@ def spawn_engines(
     num_gpus: float | None = None,
     env: Mapping[str, str] | None = None,
     max_concurrency: int = 1000,
+    scheduling: Sequence[Any] | None = None,
 ) -> list[RayEngine]:
     """Start ``num_engines`` engine actors on the current Ray cluster and wait until ready.
 
@@ -248,6 +259,8 @@ def spawn_engines(
             has GPUs, else 0).
         env: Extra environment variables of the actor processes.
         max_concurrency: Concurrent calls an actor accepts.
+        scheduling: One Ray scheduling strategy per engine (e.g. a placement-group bundle
+            shared with learner ranks), or None.
     """
     import dataclasses
 
@@ -257,14 +270,20 @@ def spawn_engines(
         raise ValueError(f"vllm.num_engines must be >= 1, got {num_engines}")
     if num_gpus is None:
         num_gpus = float(config.tensor_parallel_size) if ray.cluster_resources().get("GPU") else 0
-    actor = ray.remote(EngineActor).options(  # type: ignore[attr-defined]
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        max_concurrency=max_concurrency,
-        runtime_env={"env_vars": dict(env or {})},
-    )
+    if scheduling is not None and len(scheduling) != num_engines:
+        raise ValueError(f"scheduling has {len(scheduling)} entries for {num_engines} engines")
+    options: dict[str, Any] = {
+        "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
+        "max_concurrency": max_concurrency,
+        "runtime_env": {"env_vars": dict(env or {})},
+    }
+    actor = ray.remote(EngineActor)
     handles = [
-        actor.remote(dataclasses.replace(config, seed=config.seed + i)) for i in range(num_engines)
+        actor.options(  # type: ignore[attr-defined]
+            **options, **({"scheduling_strategy": scheduling[i]} if scheduling else {})
+        ).remote(dataclasses.replace(config, seed=config.seed + i))
+        for i in range(num_engines)
     ]
     ray.get([h.weight_version.remote() for h in handles])  # raises if an engine failed to start
     return [RayEngine(h) for h in handles]

@@ -90,6 +90,8 @@ class LearnerGroup:
         num_cpus_per_rank: CPUs each rank reserves in Ray.
         num_gpus_per_rank: GPUs each rank reserves (0 on CPU machines).
         env: Extra environment variables of the rank processes.
+        scheduling: One Ray scheduling strategy per rank (e.g. a
+            ``PlacementGroupSchedulingStrategy`` naming a bundle, to colocate roles), or None.
     """
 
     def __init__(
@@ -99,19 +101,25 @@ class LearnerGroup:
         num_cpus_per_rank: float = 1.0,
         num_gpus_per_rank: float = 0.0,
         env: Mapping[str, str] | None = None,
+        scheduling: Sequence[Any] | None = None,
     ) -> None:
         import ray
 
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        if scheduling is not None and len(scheduling) != num_ranks:
+            raise ValueError(f"scheduling has {len(scheduling)} entries for {num_ranks} ranks")
         port = _free_port()
-        actor = ray.remote(RankWorker).options(  # type: ignore[attr-defined]
-            num_cpus=num_cpus_per_rank,
-            num_gpus=num_gpus_per_rank,
-            runtime_env={"env_vars": dict(env or {})},
-        )
+        options: dict[str, Any] = {
+            "num_cpus": num_cpus_per_rank,
+            "num_gpus": num_gpus_per_rank,
+            "runtime_env": {"env_vars": dict(env or {})},
+        }
+        actor = ray.remote(RankWorker)
         self.workers = [
-            actor.remote(rank=r, world_size=num_ranks, master_addr="127.0.0.1", master_port=port)
+            actor.options(  # type: ignore[attr-defined]
+                **options, **({"scheduling_strategy": scheduling[r]} if scheduling else {})
+            ).remote(rank=r, world_size=num_ranks, master_addr="127.0.0.1", master_port=port)
             for r in range(num_ranks)
         ]
         self.world_size = num_ranks

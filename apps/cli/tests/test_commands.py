@@ -124,6 +124,14 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
             ["--MODEL", "--algo.overlong_buffer_len", "300"],
             "--algo.overlong_buffer_len must be smaller",
         ),
+        (
+            ["--MODEL", "--train.partial_rollout_enable", "True"],
+            "--train.partial_rollout_enable needs --train.async_enable",
+        ),
+        (
+            ["--MODEL", "--train.async_enable", "True", "--train.async_queue_size", "0"],
+            "--train.async_queue_size must be >= 1",
+        ),
         (["--MODEL", "--data.input_key", "question"], "row 0 has no 'question' (--data.input_key)"),
         (
             ["--MODEL", "--data.prompt_data", "/no/such.jsonl"],

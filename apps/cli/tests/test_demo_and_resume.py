@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from .conftest import rlhf
 
 
@@ -29,7 +31,13 @@ def _steps(run_dir) -> list[dict]:
     return [r for r in rows if "reward/mean" in r]
 
 
-def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_path) -> None:
+ASYNC = ["--train.async_enable", "True", "--train.async_queue_size", "1"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_path, mode) -> None:
+    """In async mode the step-2 checkpoint also holds step 3's batch, sampled with the weights
+    after step 1 before the kill: the resumed run trains on exactly those samples."""
     common = [
         "--actor.model.path", str(assets["model"]),
         "--data.prompt_data", str(assets["train"]),
@@ -46,6 +54,7 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
         "--actor.optimizer.total_steps", "4",
         "--actor.optimizer.min_lr_ratio", "0.0",
         "--ckpt.save_steps", "2",
+        *(ASYNC if mode == "async" else []),
     ]  # fmt: skip
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert rlhf("train", "grpo", "--run_dir", str(whole), *common).returncode == 0
@@ -74,3 +83,18 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
     ]
     # The optimizer schedule continued (cosine over 4 steps from the checkpoint's position).
     assert [b[s]["actor/lr"] for s in range(1, 5)] == [a[s]["actor/lr"] for s in range(1, 5)]
+    if mode == "sync":
+        assert all(r.get("rollout/staleness_max", 0.0) == 0.0 for r in (*a.values(), *b.values()))
+        return
+    # Batch j was sampled with the weights of step j - 1 (the engines report the version).
+    for run in (a, b):
+        assert [run[s]["rollout/staleness_max"] for s in range(1, 5)] == [0.0, 1.0, 1.0, 1.0]
+    assert "1 sampled batch(es) restored" in resumed.stdout
+    state = json.loads((part / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    (queued,) = state["queue"]
+    samples = queued["trajectories"]
+    assert queued["step"] == 2 and len(samples) == 16
+    assert {t["weight_version"] for t in samples} == {1}
+    assert b[3]["reward/mean"] == pytest.approx(sum(t["reward"] for t in samples) / 16, abs=1e-6)
+    lengths = [sum(t["action_mask"]) for t in samples]
+    assert b[3]["rollout/response_length_mean"] == pytest.approx(sum(lengths) / 16, abs=1e-6)

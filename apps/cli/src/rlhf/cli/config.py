@@ -139,6 +139,18 @@ class TrainConfig:
             episode's rewards replace ``reward_func`` for training (evaluations stay
             single-turn, scored by ``reward_func``).
         agent_max_turns: Most policy turns per episode (environment files).
+        async_enable: Sample later batches while the current one trains (`rlhf.cli.schedule`):
+            batch ``j`` is sampled with the weights of step ``j - async_queue_size``.
+        async_queue_size: Most batches sampled ahead of training (the staleness bound).
+        partial_rollout_enable: In async mode, sync without waiting for batches in flight:
+            the engines pause, load and resume, and requests finish on the new weights.
+        colocate_actor_ref: The reference runs in the actor's first placement bundle.
+        colocate_critic_reward: The reward model runs in the critic's first bundle.
+        colocate_all: Hybrid placement: bundle ``i`` holds actor rank ``i``, critic rank ``i``
+            and engine ``i`` (reference and reward model in bundle 0), so generation and
+            training take turns on the same resources (`rlhf.cli.placement`).
+        use_tensorboard: Also write the metrics as TensorBoard events into this directory
+            (needs ``pip install 'rlhf-cli[tensorboard]'``); empty: JSONL only.
         seed: Seed of prompt order, sampling and initialisation.
     """
 
@@ -152,6 +164,13 @@ class TrainConfig:
     reward_model_path: str = ""
     agent_func_path: str = ""
     agent_max_turns: int = 4
+    async_enable: bool = False
+    async_queue_size: int = 1
+    partial_rollout_enable: bool = False
+    colocate_actor_ref: bool = False
+    colocate_critic_reward: bool = False
+    colocate_all: bool = False
+    use_tensorboard: str = ""
     seed: int = 42
 
 
@@ -282,7 +301,40 @@ class RLConfig:
                 f"--train.agent_func_path {self.train.agent_func_path!r}: no such file",
             ),
             (self.train.num_steps < 1, "--train.num_steps must be >= 1"),
+            (self.train.async_queue_size < 1, "--train.async_queue_size must be >= 1"),
+            (
+                self.train.partial_rollout_enable and not self.train.async_enable,
+                "--train.partial_rollout_enable needs --train.async_enable (a synchronous run "
+                "never syncs while sampling)",
+            ),
             (self.vllm.num_engines < 1, "--vllm.num_engines must be >= 1"),
+            (
+                self.train.colocate_all and self.train.async_enable,
+                "--train.colocate_all makes generation and training take turns on the same "
+                "resources; drop --train.async_enable (or colocate less)",
+            ),
+            (
+                self.train.colocate_all and self.vllm.num_engines > self.actor.num_ranks,
+                "--train.colocate_all puts engine i beside actor rank i: --vllm.num_engines "
+                "must be <= --actor.num_ranks",
+            ),
+            (
+                self.train.colocate_all
+                and self.uses_critic
+                and self.critic.num_ranks != self.actor.num_ranks,
+                "--train.colocate_all puts critic rank i beside actor rank i: set "
+                "--critic.num_ranks equal to --actor.num_ranks",
+            ),
+            (
+                self.train.colocate_actor_ref and not self.uses_reference,
+                "--train.colocate_actor_ref needs a reference model (--algo.kl.init_coef > 0)",
+            ),
+            (
+                self.train.colocate_critic_reward
+                and not (self.uses_critic and self.train.reward_model_path),
+                "--train.colocate_critic_reward needs a critic (--algo.advantage.estimator gae) "
+                "and a reward model (--train.reward_model_path)",
+            ),
             (self.train.micro_batch_size < 1, "--train.micro_batch_size must be >= 1"),
         ]
         for bad, message in checks:

@@ -1,5 +1,6 @@
-"""Run logging: a JSONL metrics file (one object per line, flushed each step) and the
-reward/accuracy curves as a PNG at the end."""
+"""Run logging: a JSONL metrics file (one object per line, flushed each step), optionally
+TensorBoard event files (the ``tensorboard`` extra), and the reward/accuracy curves as a PNG at
+the end. Every sink takes the same rows (`MetricsSink`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ import json
 import math
 import pathlib
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+
+class MetricsSink(Protocol):
+    """Where a run's metric rows go (one call per step or evaluation; ``row["step"]`` is the
+    x-axis)."""
+
+    def write(self, metrics: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class MetricsLog:
@@ -25,6 +35,55 @@ class MetricsLog:
         }
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLog:
+    """Scalars of every row as TensorBoard events in ``directory`` (``step`` is the x-axis;
+    identifiers such as ``data/prompts_crc32`` are left out).
+
+    Raises:
+        ImportError: naming the extra to install when ``tensorboard`` is missing.
+    """
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(
+                "--train.use_tensorboard needs the tensorboard package: "
+                "pip install 'rlhf-cli[tensorboard]'"
+            ) from exc
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    def write(self, metrics: Mapping[str, Any]) -> None:
+        step = int(metrics["step"])
+        for key, value in metrics.items():
+            if key == "step" or key.startswith("data/") or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float) and math.isfinite(value):
+                self.writer.add_scalar(key, float(value), global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Sinks:
+    """Several sinks behind one `MetricsSink`."""
+
+    def __init__(self, sinks: Sequence[MetricsSink]) -> None:
+        self.sinks = list(sinks)
+
+    def write(self, metrics: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(metrics)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 class Progress:

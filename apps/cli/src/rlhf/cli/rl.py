@@ -1,6 +1,6 @@
 """The RL driver: rollout → experience → advantages → PPO epochs → verified weight sync.
 
-One step, synchronous (generation and training alternate):
+One step (synchronous: generation and training alternate):
 
 1. ``rollout.batch_size`` prompts → the engine pool, ``n_samples_per_prompt`` samples each,
    scored by the reward function (`rlhf.agents.SingleTurnExecutor`); with dynamic filtering,
@@ -14,8 +14,8 @@ One step, synchronous (generation and training alternate):
 4. The actor's weights stream as buckets into Ray's object store and every engine loads and
    (``vllm.verify_sync``) verifies them.
 
-Every step appends a line to ``run_dir/metrics.jsonl``. Not here yet: async mode, colocated
-placement, multi-turn agents from the CLI, remote reward models (issue 6).
+``--train.async_enable`` overlaps generation of later batches with training through a bounded
+queue (`rlhf.cli.schedule`). Every step appends a line to ``run_dir/metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import os
 import pathlib
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -45,7 +45,15 @@ from rlhf.algos import (
 )
 from rlhf.cli.config import ConfigError, RLConfig
 from rlhf.cli.data import PromptSampler, load_prompts
-from rlhf.cli.metrics import MetricsLog, Progress, plot_curves
+from rlhf.cli.metrics import MetricsLog, MetricsSink, Progress, Sinks, TensorBoardLog, plot_curves
+from rlhf.cli.placement import (
+    Placement,
+    describe,
+    place,
+    placement_group_of_this_process,
+    plan_bundles,
+)
+from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
 from rlhf.learner import (
     Batch,
     CriticObjective,
@@ -142,9 +150,30 @@ def plan(config: RLConfig) -> list[str]:
         f"ZeRO-{config.actor.deepspeed.zero_stage}"
         + ("; reference 1 rank" if config.uses_reference else "")
         + (f"; critic {config.critic.num_ranks} rank(s)" if config.uses_critic else ""),
-        "mode: synchronous (generation and training alternate), expected staleness 0",
+        describe(plan_bundles(config))
+        + (
+            " (the engines keep their memory while training: vLLM sleep/wake needs a GPU)"
+            if t.colocate_all
+            else ""
+        ),
+        _mode(t),
     ]
     return lines
+
+
+def _mode(t: Any) -> str:
+    if not t.async_enable:
+        return "mode: synchronous (generation and training alternate), expected staleness 0"
+    q = t.async_queue_size
+    if t.partial_rollout_enable:
+        return (
+            f"mode: asynchronous, up to {q} batch(es) sampled ahead; partial rollouts (syncs "
+            f"pause the engines, requests in flight finish on new weights): staleness <= {q}"
+        )
+    return (
+        f"mode: asynchronous, up to {q} batch(es) sampled ahead of training; staleness "
+        f"exactly {q} from step {q} on (batch j is sampled with the weights of step j-{q})"
+    )
 
 
 @dataclasses.dataclass
@@ -155,13 +184,40 @@ class _Roles:
     ref: Any | None
     critic: Any | None
     reward_model: Any | None = None
+    placement: Placement | None = None
+
+    def learner_groups(self) -> dict[str, Any]:
+        groups = {"actor": self.actor, "ref": self.ref, "critic": self.critic}
+        groups["reward_model"] = self.reward_model
+        return {name: g for name, g in groups.items() if g is not None}
+
+    def report_placement(self) -> dict[str, Any]:
+        """Per role: the bundle each process was given and the placement group its process
+        reports running in (None: resources of its own)."""
+        import ray
+
+        seen: dict[str, list[str | None]] = {
+            name: group.run(placement_group_of_this_process)
+            for name, group in self.learner_groups().items()
+        }
+        seen["engines"] = ray.get([e.handle.run.remote(_placement_in_engine) for e in self.engines])
+        planned = self.placement
+        return {
+            name: {"bundles": planned.where(name) if planned else None, "placement_group": ids}
+            for name, ids in seen.items()
+        }
 
     def shutdown(self) -> None:
         for e in self.engines:
             e.shutdown()
-        for g in (self.actor, self.ref, self.critic, self.reward_model):
-            if g is not None:
-                g.shutdown()
+        for g in self.learner_groups().values():
+            g.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
+
+
+async def _placement_in_engine(engine: Any) -> str | None:
+    return placement_group_of_this_process()
 
 
 def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
@@ -178,27 +234,38 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(config.vllm.cpu_kv_cache_gib)}},
         )
     gpu = bool(ray.cluster_resources().get("GPU"))
+    if gpu and config.train.colocate_all:
+        raise ConfigError(
+            "--train.colocate_all on GPUs needs the engines to sleep while training (vLLM "
+            "sleep/wake in the driver), which is not built yet; colocate the learners only "
+            "(--train.colocate_actor_ref, --train.colocate_critic_reward)"
+        )
+    placement = place(config, gpu=gpu)
     engines = spawn_engines(
         _engine_config(config),
         config.vllm.num_engines,
         num_cpus=config.vllm.num_cpus,
-        num_gpus=float(config.vllm.tensor_parallel_size) if gpu else 0.0,
+        num_gpus=placement.gpus.get(
+            "engines", float(config.vllm.tensor_parallel_size) if gpu else 0.0
+        ),
+        scheduling=placement.scheduling.get("engines"),
     )
     pool = EnginePool(engines, max_in_flight_per_engine=2 * config.vllm.max_num_seqs)
 
-    def group(role: Any) -> Any:
+    def group(role: Any, name: str) -> Any:
         return LearnerGroup(
             num_ranks=role.num_ranks,
             num_cpus_per_rank=role.num_cpus_per_rank,
-            num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+            num_gpus_per_rank=placement.gpus.get(name, role.num_gpus_per_rank) if gpu else 0.0,
+            scheduling=placement.scheduling.get(name),
         )
 
     seed = config.train.seed
-    actor = group(config.actor)
+    actor = group(config.actor, "actor")
     actor.build(_learner(config.actor, seed=seed, total_steps=total_optimizer_steps))
     ref = None
     if config.uses_reference:
-        ref = group(dataclasses.replace(config.actor, num_ranks=1))
+        ref = group(dataclasses.replace(config.actor, num_ranks=1), "ref")
         ref.build(_learner(config.actor, seed=seed, total_steps=1, train=False))
     critic = None
     if config.uses_critic:
@@ -208,7 +275,7 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
                 role, model=dataclasses.replace(role.model, path=config.actor.model.path)
             )
         role = dataclasses.replace(role, model=dataclasses.replace(role.model, kind="scalar"))
-        critic = group(role)
+        critic = group(role, "critic")
         critic.build(_learner(role, seed=seed, total_steps=total_optimizer_steps))
     reward_model = None
     if config.train.reward_model_path:
@@ -219,9 +286,9 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
             num_ranks=1,
             model=ModelConfig(path=config.train.reward_model_path, kind="scalar"),
         )
-        reward_model = group(scorer)
+        reward_model = group(scorer, "reward_model")
         reward_model.build(_learner(scorer, seed=seed, total_steps=1, train=False))
-    return _Roles(engines, pool, actor, ref, critic, reward_model)
+    return _Roles(engines, pool, actor, ref, critic, reward_model, placement)
 
 
 def _assemble(pairs: list[tuple[list[int], torch.Tensor]], batch: Batch) -> torch.Tensor:
@@ -319,6 +386,13 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
     )
     reward = _reward_scorer(config)
     user_agent = agent_module(config) if config.train.agent_func_path else None
+    sinks: list[MetricsSink] = [MetricsLog(run_dir / "metrics.jsonl")]
+    if config.train.use_tensorboard:
+        try:
+            sinks.append(TensorBoardLog(pathlib.Path(config.train.use_tensorboard)))
+        except ImportError as exc:
+            raise ConfigError(str(exc)) from exc
+    log = Sinks(sinks)
     r = config.rollout
     total_opt_steps = config.train.num_steps * config.optimizer_steps_per_rollout
     roles = _start(config, total_opt_steps)
@@ -348,65 +422,144 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
             max_len=r.max_len,
         )
 
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    ckpt_root = run_dir / "checkpoints"
-    start = 0
+    driver = _Driver(
+        config=config,
+        roles=roles,
+        sampler=sampler,
+        executor_for=executor_for,
+        kl_ctl=kl_ctl,
+        log=log,
+        eval_prompts=eval_prompts,
+        ckpt_root=run_dir / "checkpoints",
+        echo=echo,
+    )
     try:
-        if config.ckpt.load_enable and (latest := latest_checkpoint(ckpt_root)) is not None:
-            state = roles.actor.load(str(latest))
-            if roles.critic is not None:
-                roles.critic.load(str(ckpt_root / "critic" / latest.name))
-            sampler.load_state_dict(state["sampler"])
-            kl_ctl.load_state_dict(state["kl_controller"])
-            start = int(state["step"])
-            _sync(roles, config, version=start)
-            echo(f"[resume] from {latest} at step {start}")
-        evaluations: list[dict[str, float]] = []
-        if eval_prompts and config.eval.steps and start == 0:
-            evaluations.append(
-                {"step": 0, **asyncio.run(_evaluate(executor_for, eval_prompts, config))}
-            )
-            log.write(evaluations[-1])
-            echo(_line(evaluations[-1]))
-        metrics: dict[str, Any] = {}
-        progress = Progress(total=config.train.num_steps, start=start)
-        for step in range(start, config.train.num_steps):
-            metrics = _step(step, config, roles, sampler, executor_for, kl_ctl)
-            metrics["step"] = step + 1
-            log.write(metrics)
-            echo(progress.line(step + 1, metrics))
-            echo(_line(metrics))
-            last = step + 1 == config.train.num_steps
-            if eval_prompts and config.eval.steps and ((step + 1) % config.eval.steps == 0 or last):
-                evaluations.append(
-                    {"step": step + 1, **asyncio.run(_evaluate(executor_for, eval_prompts, config))}
-                )
-                log.write(evaluations[-1])
-                echo(_line(evaluations[-1]))
-            if (config.ckpt.save_steps and (step + 1) % config.ckpt.save_steps == 0) or last:
-                state = {
-                    "step": step + 1,
-                    "sampler": sampler.state_dict(),
-                    "kl_controller": kl_ctl.state_dict(),
-                }
-                path = roles.actor.save(
-                    str(ckpt_root), step + 1, client_state=state, keep=config.ckpt.keep
-                )
-                if roles.critic is not None:
-                    roles.critic.save(
-                        str(ckpt_root / "critic"),
-                        step + 1,
-                        client_state=state,
-                        keep=config.ckpt.keep,
-                    )
-                echo(f"[ckpt] {path}")
+        (run_dir / "placement.json").write_text(json.dumps(roles.report_placement(), indent=1))
+        start, queue = driver.resume() if config.ckpt.load_enable else (0, [])
+        driver.progress = Progress(total=config.train.num_steps, start=start)
+        asyncio.run(driver.run(start, queue))
         if config.ckpt.export_hf:
             roles.actor.export_hf(str(run_dir / "final"))
             _copy_tokenizer(tokenizer, run_dir / "final")
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
-        return {"last": metrics, "evaluations": evaluations}
+        return {"last": driver.last, "evaluations": driver.evaluations}
     finally:
+        log.close()
         roles.shutdown()
+
+
+@dataclasses.dataclass
+class _Driver:
+    """One run's state; implements `rlhf.cli.schedule.StepRunner`."""
+
+    config: RLConfig
+    roles: _Roles
+    sampler: PromptSampler
+    executor_for: Callable[..., Any]
+    kl_ctl: Any
+    log: MetricsSink
+    eval_prompts: dict[str, list[Any]]
+    ckpt_root: pathlib.Path
+    echo: Callable[[str], None]
+    progress: Progress | None = None
+    last: dict[str, Any] = dataclasses.field(default_factory=dict)
+    evaluations: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    trained_sampler_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def resume(self) -> tuple[int, list[Rollout]]:
+        """Restore the newest checkpoint, if any: the step to start at and the rollouts it
+        holds for later steps (async mode)."""
+        latest = latest_checkpoint(self.ckpt_root)
+        if latest is None:
+            return 0, []
+        state = self.roles.actor.load(str(latest))
+        if self.roles.critic is not None:
+            self.roles.critic.load(str(self.ckpt_root / "critic" / latest.name))
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        start = int(state["step"])
+        self.sync(start, pause=False)
+        queue = [Rollout.from_state(q) for q in state.get("queue", [])]
+        self.echo(
+            f"[resume] from {latest} at step {start}"
+            + (f", {len(queue)} sampled batch(es) restored" if queue else "")
+        )
+        return start, queue
+
+    async def run(self, start: int, queue: list[Rollout]) -> None:
+        c = self.config
+        if self.eval_prompts and c.eval.steps and start == 0:
+            await self.evaluate(0)
+        if c.train.async_enable:
+            await run_asynchronous(
+                self,
+                start=start,
+                end=c.train.num_steps,
+                queue=queue,
+                queue_size=c.train.async_queue_size,
+                partial_rollouts=c.train.partial_rollout_enable,
+            )
+        else:
+            await run_synchronous(self, start=start, end=c.train.num_steps, queue=queue)
+
+    def generate(self, step: int) -> Awaitable[Rollout]:
+        executor = self.executor_for(self.config.rollout.temperature, train=True)
+        return _generate(step, self.config, self.sampler, executor)
+
+    def learn(self, rollout: Rollout) -> dict[str, Any]:
+        self.trained_sampler_state = rollout.sampler_state
+        return _learn(rollout.step, rollout, self.config, self.roles, self.kl_ctl)
+
+    def sync(self, version: int, *, pause: bool) -> dict[str, Any]:
+        engines = self.roles.engines
+        paused = sum(int(e.call("pause")) for e in engines) if pause else 0
+        try:
+            _sync(self.roles, self.config, version=version)
+        finally:
+            for e in engines if pause else ():
+                e.call("resume")
+        return {"rollout/requests_paused_for_sync": float(paused)} if pause else {}
+
+    def saves_at(self, step: int) -> bool:
+        every = self.config.ckpt.save_steps
+        return bool(every and (step + 1) % every == 0) or step + 1 == self.config.train.num_steps
+
+    async def evaluate(self, step: int) -> None:
+        result = await _evaluate(self.executor_for, self.eval_prompts, self.config)
+        self.evaluations.append({"step": step, **result})
+        self.log.write(self.evaluations[-1])
+        self.echo(_line(self.evaluations[-1]))
+
+    async def finish(self, step: int, metrics: dict[str, Any], queue: list[Rollout]) -> None:
+        c = self.config
+        metrics["step"] = step + 1
+        self.last = metrics
+        self.log.write(metrics)
+        if self.progress is not None:
+            self.echo(self.progress.line(step + 1, metrics))
+        self.echo(_line(metrics))
+        last = step + 1 == c.train.num_steps
+        if self.eval_prompts and c.eval.steps and ((step + 1) % c.eval.steps == 0 or last):
+            await self.evaluate(step + 1)
+        if self.saves_at(step):
+            await asyncio.to_thread(self.save, step, queue)
+
+    def save(self, step: int, queue: list[Rollout]) -> None:
+        # The sampler resumes after the newest batch already drawn, trained or queued.
+        newest = queue[-1].sampler_state if queue else self.trained_sampler_state
+        state = {
+            "step": step + 1,
+            "sampler": newest,
+            "kl_controller": self.kl_ctl.state_dict(),
+            "queue": [r.to_state() for r in queue],
+        }
+        keep = self.config.ckpt.keep
+        path = self.roles.actor.save(str(self.ckpt_root), step + 1, client_state=state, keep=keep)
+        if self.roles.critic is not None:
+            self.roles.critic.save(
+                str(self.ckpt_root / "critic"), step + 1, client_state=state, keep=keep
+            )
+        self.echo(f"[ckpt] {path}")
 
 
 def _copy_tokenizer(tokenizer: Any, directory: pathlib.Path) -> None:
@@ -436,18 +589,11 @@ def _sync(roles: _Roles, config: RLConfig, *, version: int) -> None:
         engine.update_weights(refs, verify=config.vllm.verify_sync)
 
 
-def _step(
-    step: int,
-    config: RLConfig,
-    roles: _Roles,
-    sampler: PromptSampler,
-    executor_for: Callable[[float], Any],
-    kl_ctl: Any,
-) -> dict[str, Any]:
-    r, algo, t = config.rollout, config.algo, config.train
-    timings: dict[str, float] = {}
+async def _generate(step: int, config: RLConfig, sampler: PromptSampler, executor: Any) -> Rollout:
+    """Draw the prompts of ``step`` and sample them (with dynamic filtering's replacement
+    draws); the engines serve whatever weights they hold."""
+    r, algo = config.rollout, config.algo
     tick = time.perf_counter()
-    executor = executor_for(r.temperature, train=True)
     trajectories: list[Any] = []
     gen_metrics: dict[str, float] = {}
     dropped_groups = 0
@@ -458,12 +604,10 @@ def _step(
             break
         prompts = sampler.next(need)
         digest = zlib.crc32("\x00".join(p.text for p in prompts).encode(), digest)
-        result = asyncio.run(
-            executor.run(
-                prompts=[p.text for p in prompts],
-                labels=[p.label for p in prompts],
-                n_samples_per_prompt=r.n_samples_per_prompt,
-            )
+        result = await executor.run(
+            prompts=[p.text for p in prompts],
+            labels=[p.label for p in prompts],
+            n_samples_per_prompt=r.n_samples_per_prompt,
         )
         gen_metrics = result.metrics if attempt == 0 else gen_metrics
         groups = _complete_groups(result.trajectories, r.n_samples_per_prompt)
@@ -487,7 +631,35 @@ def _step(
             "every prompt group was dropped (dynamic filtering or the reward's skip policy); "
             "widen --algo.dynamic_filtering_range or check the reward function"
         )
-    timings["time/generation_s"] = time.perf_counter() - tick
+    metrics: dict[str, Any] = {
+        "rollout/dropped_groups": float(dropped_groups),
+        "data/prompts_crc32": digest,
+        **{
+            k: float(v)
+            for k, v in gen_metrics.items()
+            if k.startswith(("rollout/truncated", "reward/", "env/"))
+        },
+        "time/generation_s": time.perf_counter() - tick,
+    }
+    return Rollout(
+        step=step,
+        trajectories=trajectories,
+        metrics=metrics,
+        sampler_state=sampler.state_dict(),
+    )
+
+
+def _learn(
+    step: int, rollout: Rollout, config: RLConfig, roles: _Roles, kl_ctl: Any
+) -> dict[str, Any]:
+    """Experience, advantages and the PPO epochs of ``step`` on ``rollout`` (blocking).
+
+    In async mode π_old is the actor before this step's update (a forward pass), not the
+    sampler: the batch may come from older weights, whose log-probs the rollout carries for
+    the importance correction (``--algo.rollout_correction``)."""
+    r, algo, t = config.rollout, config.algo, config.train
+    timings: dict[str, float] = {}
+    trajectories = rollout.trajectories
 
     tick = time.perf_counter()
     batch = collate(
@@ -522,7 +694,7 @@ def _step(
         )
     mask = batch["action_mask"]
     kl_coef = kl_ctl.value
-    multi_step = config.optimizer_steps_per_rollout > 1
+    multi_step = config.optimizer_steps_per_rollout > 1 or t.async_enable
     if multi_step:
         batch.fields["old_logprobs"] = _forward(
             roles.actor, batch, _logprob_fn(r.temperature), config
@@ -593,10 +765,6 @@ def _step(
                 )
     timings["time/training_s"] = time.perf_counter() - tick
 
-    tick = time.perf_counter()
-    _sync(roles, config, version=step + 1)
-    timings["time/sync_s"] = time.perf_counter() - tick
-
     if kl is not None:
         mean_kl = float((kl * mask).sum() / mask.sum().clamp(min=1))
         if step == 0:
@@ -610,14 +778,9 @@ def _step(
         "reward/shaped_mean": float(rewards.mean()),
         "rollout/response_length_mean": float(lengths.float().mean()),
         "rollout/samples": float(batch.size),
-        "rollout/dropped_groups": float(dropped_groups),
         "rollout/truncated_frac": float(truncated.float().mean()),
-        "data/prompts_crc32": digest,
-        **{
-            k: float(v)
-            for k, v in gen_metrics.items()
-            if k.startswith(("rollout/truncated", "reward/", "env/"))
-        },
+        **_staleness(step, trajectories),
+        **rollout.metrics,
         **{k: float(v) for k, v in adv.metrics.items()},
         **train_metrics,
         **timings,
@@ -670,6 +833,18 @@ def agent_executor(
         sampling=sampling,
         max_len=config.rollout.max_len,
     )
+
+
+def _staleness(step: int, trajectories: list[Any]) -> dict[str, float]:
+    """How many updates behind the trained policy (version ``step``) each sample's weights
+    were: mean and max over the samples whose engine reported a version."""
+    behind = [step - t.weight_version for t in trajectories if t.weight_version is not None]
+    if not behind:
+        return {}
+    return {
+        "rollout/staleness_mean": sum(behind) / len(behind),
+        "rollout/staleness_max": float(max(behind)),
+    }
 
 
 def _complete_groups(trajectories: list[Any], n: int) -> list[list[Any]]:

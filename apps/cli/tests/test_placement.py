@@ -1,0 +1,88 @@
+"""Colocated placement: the bundle layout each flag asks for, and a hybrid run on the real
+stack whose roles all report the same Ray placement group."""
+
+from __future__ import annotations
+
+import json
+
+from rlhf.cli.config import replace
+from rlhf.cli.placement import plan_bundles
+from rlhf.cli.presets import resolve
+
+from .conftest import rlhf
+
+
+def _layout(config) -> dict[str, list[list[str]]]:
+    return {
+        g.name: [[f"{m.role}{m.rank}" for m in members] for members in g.bundles]
+        for g in plan_bundles(config)
+    }
+
+
+def test_bundle_layouts_follow_the_flags() -> None:
+    ppo = replace(resolve("ppo"), **{"actor.num_ranks": 2, "critic.num_ranks": 2,
+                                     "vllm.num_engines": 2, "actor.num_cpus_per_rank": 0.5})  # fmt: skip
+    assert _layout(ppo) == {}
+    assert _layout(replace(ppo, **{"train.colocate_actor_ref": True})) == {
+        "actor_ref": [["actor0", "ref0"], ["actor1"]]
+    }
+    hybrid = replace(ppo, **{"train.colocate_all": True})
+    assert _layout(hybrid) == {
+        "all": [["actor0", "critic0", "engines0", "ref0"], ["actor1", "critic1", "engines1"]]
+    }
+    (group,) = plan_bundles(hybrid)
+    # A bundle reserves what its members ask for: 0.5 (actor) + 1 (critic) + 1 (engine) + 0.5.
+    assert [sum(m.cpus for m in b) for b in group.bundles] == [3.0, 2.5]
+    rm = replace(ppo, **{"train.reward_model_path": "rm", "train.colocate_critic_reward": True})
+    assert _layout(rm) == {"critic_reward": [["critic0", "reward_model0"], ["critic1"]]}
+
+
+def test_a_hybrid_run_puts_every_role_in_one_placement_group(assets, tmp_path) -> None:
+    out = rlhf(
+        "train", "ppo",
+        "--run_dir", str(tmp_path),
+        "--actor.model.path", str(assets["model"]),
+        "--data.prompt_data", str(assets["train"]),
+        "--train.reward_func", str(assets["reward"]),
+        "--train.num_steps", "2",
+        "--rollout.batch_size", "4",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.max_new_tokens", "6",
+        "--rollout.max_len", "16",
+        "--eval.steps", "0",
+        "--vllm.num_cpus", "0.5",
+        "--actor.num_cpus_per_rank", "0.5",
+        "--critic.num_cpus_per_rank", "0.5",
+        "--train.colocate_all", "True",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "colocation: bundles all: actor0+critic0+engines0+ref0" in out.stdout
+    placement = json.loads((tmp_path / "placement.json").read_text())
+    assert sorted(placement) == ["actor", "critic", "engines", "ref"]
+    groups = {g for role in placement.values() for g in role["placement_group"]}
+    assert len(groups) == 1 and None not in groups, placement
+    assert all(role["bundles"] == ["all/0"] for role in placement.values())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+
+
+def test_a_disaggregated_run_reports_no_shared_group(assets, tmp_path) -> None:
+    out = rlhf(
+        "train", "grpo",
+        "--run_dir", str(tmp_path),
+        "--actor.model.path", str(assets["model"]),
+        "--data.prompt_data", str(assets["train"]),
+        "--train.reward_func", str(assets["reward"]),
+        "--train.num_steps", "1",
+        "--rollout.batch_size", "2",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.max_new_tokens", "4",
+        "--rollout.max_len", "16",
+        "--eval.steps", "0",
+        "--vllm.num_cpus", "0.5",
+        "--actor.num_cpus_per_rank", "0.5",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    placement = json.loads((tmp_path / "placement.json").read_text())
+    assert placement["actor"] == {"bundles": None, "placement_group": [None]}
+    assert placement["engines"] == {"bundles": None, "placement_group": [None]}

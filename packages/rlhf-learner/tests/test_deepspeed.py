@@ -3,6 +3,8 @@ split, learning, checkpoints, HF export and weight buckets, with ZeRO-2 and ZeRO
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
@@ -282,6 +284,58 @@ def test_dpo_raises_preference_accuracy(group, tiny, tokenizer) -> None:
     logps = torch.cat([lp for _, lp in group.forward(batch, sequence_logps)])
     margins = (logps[:8] - batch["ref_logps"][:8]) - (logps[8:] - batch["ref_logps"][8:])
     assert (margins > 0).all()
+
+
+def _pairs(batch, pairs):
+    """Rows of whole preference pairs (chosen first), as the CLI deals them."""
+    n = batch.size // 2
+    return batch.select([*pairs, *(n + i for i in pairs)])
+
+
+@pytest.mark.parametrize("chunks", [[[0, 1], [2], [3, 4]], [[0, 1, 2, 3, 4]]])
+def test_caller_made_micro_batches_are_exact_across_ranks(group, tiny, tokenizer, chunks) -> None:
+    """train_micro_batches deals whole-pair micro-batches round-robin (3 on 2 ranks: one rank
+    takes two; 1 on 2 ranks: the idle rank runs a weight-0 copy) and matches one full-batch DPO
+    step in this process: loss, gradient norm and every updated parameter."""
+    rows = [
+        preference_row(
+            {"prompt": f"is {i} even?", "chosen": "yes" if i % 2 == 0 else "no", "rejected": "x"},
+            i,
+            tokenizer,
+        )
+        for i in range(5)
+    ]
+    chosen, rejected = [c for c, _ in rows], [r for _, r in rows]
+    batch = collate(
+        [r.input_ids for r in chosen + rejected],
+        pad_token_id=tokenizer.pad_token_id,
+        per_token={"loss_mask": [r.loss_mask for r in chosen + rejected]},
+    )
+    gen = torch.Generator().manual_seed(7)
+    batch.fields["ref_logps"] = -5.0 + torch.randn(batch.size, generator=gen)
+    objective = DPOObjective(normalizer=5.0, beta=0.5)
+    # eps = 1 makes Adam's first step linear in the gradient (lr * g / (|g| + 1)); with the
+    # usual 1e-8 it is lr * sign(g), which turns fp32 summation-order noise on gradients near
+    # zero into lr-sized differences (seen: 1 element of 8192 off by 1.3e-5 at lr 1e-3).
+    cfg = dataclasses.replace(
+        config(tiny, stage=2),
+        optimizer=OptimizerConfig(lr=0.1, grad_clip=0.0, betas=(0.9, 0.95), eps=1.0),
+    )
+    model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer)
+    loss, _ = objective(model, batch)
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
+    optimizer.step()
+    scheduler.step()
+
+    group.build(cfg)
+    out = group.train_micro_batches([_pairs(batch, c) for c in chunks], objective)
+    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+    after = full_state(group)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(after[name], param.detach(), rtol=0, atol=2e-6, msg=name)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

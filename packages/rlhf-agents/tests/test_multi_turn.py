@@ -122,6 +122,9 @@ def test_max_turns_truncates_and_turn_rewards_are_kept(tmp_path, tokenizer, gene
     assert t.score == 1.5
     assert t.metrics["turn"] == 3
     assert result.metrics["rollout/truncated_frac"] == 1.0
+    # Per-episode metrics are aggregated for the run's log.
+    assert result.metrics["env/turn_mean"] == 3.0
+    assert result.metrics["env/turns_mean"] == 3.0 and result.metrics["env/turns_max"] == 3.0
 
 
 def test_environment_that_never_ends_is_cut_at_max_len(tmp_path, tokenizer, generator) -> None:
@@ -180,6 +183,10 @@ def test_async_environment_with_async_create(tokenizer, generator, examples) -> 
     for t in result.trajectories:
         assert 1 <= len(t.turn_rewards) <= 3
         assert "tool_calls" in t.metrics
+    calls = [t.metrics["tool_calls"] for t in result.trajectories]
+    assert result.metrics["env/tool_calls_mean"] == pytest.approx(sum(calls) / 2)
+    turns = [len(t.turn_rewards) for t in result.trajectories]
+    assert result.metrics["env/turns_max"] == max(turns)
 
 
 @pytest.mark.parametrize(

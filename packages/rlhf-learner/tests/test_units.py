@@ -264,3 +264,13 @@ def test_sft_objective_is_token_mean_nll(tiny, tokenizer) -> None:
     )
     expected = (nll * mask[:, 1:]).sum() / mask.sum()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_cuda_ipc_sender_refuses_host_buffers_and_empty_syncs() -> None:
+    from rlhf.learner import iter_buckets, share_cuda_ipc
+
+    pairs = iter_buckets([("w", torch.ones(4))], version=1, bucket_bytes=1 << 10, total=1)
+    with pytest.raises(ValueError, match="CUDA IPC shares 1-D uint8 CUDA buffers"):
+        share_cuda_ipc(pairs)
+    with pytest.raises(ValueError, match="needs at least one bucket"):
+        share_cuda_ipc([])

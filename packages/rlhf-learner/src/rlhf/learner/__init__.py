@@ -24,6 +24,7 @@ from rlhf.learner.config import (
     ModelConfig,
     OptimizerConfig,
 )
+from rlhf.learner.cuda_ipc import CudaIpcShare, share_cuda_ipc
 from rlhf.learner.data import DataError, TokenRow, preference_row, sft_row
 from rlhf.learner.forward import sequence_scores, token_logprobs, token_values
 from rlhf.learner.models import ModelLoadError, check_model_dir, fingerprint, load_model
@@ -62,6 +63,7 @@ __all__ = [
     "Batch",
     "CheckpointError",
     "CriticObjective",
+    "CudaIpcShare",
     "DPOObjective",
     "DataError",
     "DeepSpeedBackend",
@@ -94,6 +96,7 @@ __all__ = [
     "sequence_scores",
     "sft_row",
     "shard",
+    "share_cuda_ipc",
     "staging_dir",
     "token_logprobs",
     "token_values",

@@ -1,5 +1,5 @@
 """Colocated placement: the bundle layout each flag asks for, and a hybrid run on the real
-stack whose roles all report the same Ray placement group."""
+stack whose roles all report the same Ray placement group (its reference offloaded)."""
 
 from __future__ import annotations
 
@@ -54,16 +54,21 @@ def test_a_hybrid_run_puts_every_role_in_one_placement_group(assets, tmp_path) -
         "--actor.num_cpus_per_rank", "0.5",
         "--critic.num_cpus_per_rank", "0.5",
         "--train.colocate_all", "True",
+        "--train.ref_reward_offload", "True",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert "colocation: bundles all: actor0+critic0+engines0+ref0" in out.stdout
+    assert "parameters offloaded to CPU" in out.stdout
     placement = json.loads((tmp_path / "placement.json").read_text())
     assert sorted(placement) == ["actor", "critic", "engines", "ref"]
     groups = {g for role in placement.values() for g in role["placement_group"]}
     assert len(groups) == 1 and None not in groups, placement
     assert all(role["bundles"] == ["all/0"] for role in placement.values())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    # The offloaded ZeRO-3 reference holds the actor's initial weights: same log-probs.
+    assert steps[0]["check/step0_policy_ref_logprob_gap_max"] < 1e-4
 
 
 def test_a_disaggregated_run_reports_no_shared_group(assets, tmp_path) -> None:

@@ -286,6 +286,32 @@ def test_dpo_raises_preference_accuracy(group, tiny, tokenizer) -> None:
     assert (margins > 0).all()
 
 
+def test_offloaded_eval_only_reference_matches_a_local_forward(group, tiny, tokenizer) -> None:
+    """A reference built eval-only with ZeRO-3 and its parameters offloaded to the CPU gives
+    the log-probs of the same checkpoint run locally."""
+    from rlhf.learner import token_logprobs
+
+    cfg = LearnerConfig(
+        model=ModelConfig(path=str(tiny)),
+        optimizer=None,
+        deepspeed=DeepSpeedConfig(zero_stage=3, offload_params=True),
+    )
+    group.build(cfg)
+    batch = sft_batch(tokenizer)
+
+    def logprobs(model, b):
+        return token_logprobs(model, b.input_ids, b.attention_mask, temperature=0.7)[0]
+
+    ours = group.forward(batch, logprobs, max_rows=2)
+    local = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = logprobs(local, batch)
+    assert sorted(r for rows, _ in ours for r in rows) == list(range(batch.size))
+    for rows, values in ours:
+        width = values.shape[1]
+        torch.testing.assert_close(values, theirs[rows, :width], rtol=1e-5, atol=1e-5)
+
+
 def _pairs(batch, pairs):
     """Rows of whole preference pairs (chosen first), as the CLI deals them."""
     n = batch.size // 2

@@ -149,6 +149,8 @@ class TrainConfig:
         colocate_all: Hybrid placement: bundle ``i`` holds actor rank ``i``, critic rank ``i``
             and engine ``i`` (reference and reward model in bundle 0), so generation and
             training take turns on the same resources (`rlhf.cli.placement`).
+        ref_reward_offload: Build the reference and the reward model with ZeRO-3 and their
+            parameters offloaded to the CPU between uses (OpenRLHF's ``--ref_reward_offload``).
         use_tensorboard: Also write the metrics as TensorBoard events into this directory
             (needs ``pip install 'rlhf-cli[tensorboard]'``); empty: JSONL only.
         seed: Seed of prompt order, sampling and initialisation.
@@ -170,6 +172,7 @@ class TrainConfig:
     colocate_actor_ref: bool = False
     colocate_critic_reward: bool = False
     colocate_all: bool = False
+    ref_reward_offload: bool = False
     use_tensorboard: str = ""
     seed: int = 42
 

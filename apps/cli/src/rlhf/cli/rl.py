@@ -149,6 +149,12 @@ def plan(config: RLConfig) -> list[str]:
         f"{config.vllm.tensor_parallel_size}; actor {config.actor.num_ranks} rank(s) "
         f"ZeRO-{config.actor.deepspeed.zero_stage}"
         + ("; reference 1 rank" if config.uses_reference else "")
+        + ("; reward model 1 rank" if config.train.reward_model_path else "")
+        + (
+            " (reference/reward model: ZeRO-3, parameters offloaded to CPU)"
+            if config.train.ref_reward_offload
+            else ""
+        )
         + (f"; critic {config.critic.num_ranks} rank(s)" if config.uses_critic else ""),
         describe(plan_bundles(config))
         + (
@@ -265,8 +271,9 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
     actor.build(_learner(config.actor, seed=seed, total_steps=total_optimizer_steps))
     ref = None
     if config.uses_reference:
-        ref = group(dataclasses.replace(config.actor, num_ranks=1), "ref")
-        ref.build(_learner(config.actor, seed=seed, total_steps=1, train=False))
+        role = _eval_only(config.actor, config)
+        ref = group(role, "ref")
+        ref.build(_learner(role, seed=seed, total_steps=1, train=False))
     critic = None
     if config.uses_critic:
         role = config.critic
@@ -282,13 +289,22 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
         from rlhf.learner import ModelConfig
 
         scorer = dataclasses.replace(
-            config.actor,
-            num_ranks=1,
+            _eval_only(config.actor, config),
             model=ModelConfig(path=config.train.reward_model_path, kind="scalar"),
         )
         reward_model = group(scorer, "reward_model")
         reward_model.build(_learner(scorer, seed=seed, total_steps=1, train=False))
     return _Roles(engines, pool, actor, ref, critic, reward_model, placement)
+
+
+def _eval_only(role: Any, config: RLConfig) -> Any:
+    """The reference's / reward model's role: one rank like the actor's, with ZeRO-3 and its
+    parameters offloaded to the CPU between uses under ``--train.ref_reward_offload``."""
+    role = dataclasses.replace(role, num_ranks=1)
+    if not config.train.ref_reward_offload:
+        return role
+    ds = dataclasses.replace(role.deepspeed, zero_stage=3, offload_params=True)
+    return dataclasses.replace(role, deepspeed=ds)
 
 
 def _assemble(pairs: list[tuple[list[int], torch.Tensor]], batch: Batch) -> torch.Tensor:

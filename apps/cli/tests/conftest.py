@@ -42,3 +42,29 @@ def rlhf(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
         env=env,
         check=False,
     )
+
+
+def small_run(
+    assets: dict[str, pathlib.Path],
+    *,
+    steps: int = 2,
+    prompts: int = 4,
+    samples: int = 4,
+    max_new_tokens: int = 6,
+    reward: bool = True,
+) -> list[str]:
+    """Flags of a small ``rlhf train`` run on the demo assets: the graded reward file (unless
+    ``reward`` is False), short samples, no evaluation, half a CPU per engine and actor rank."""
+    return [
+        "--actor.model.path", str(assets["model"]),
+        "--data.prompt_data", str(assets["train"]),
+        *(["--train.reward_func", str(assets["reward"])] if reward else []),
+        "--train.num_steps", str(steps),
+        "--rollout.batch_size", str(prompts),
+        "--rollout.n_samples_per_prompt", str(samples),
+        "--rollout.max_new_tokens", str(max_new_tokens),
+        "--rollout.max_len", "16",
+        "--eval.steps", "0",
+        "--vllm.num_cpus", "0.5",
+        "--actor.num_cpus_per_rank", "0.5",
+    ]  # fmt: skip

@@ -8,24 +8,14 @@ import json
 
 import pytest
 
-from .conftest import rlhf
+from .conftest import rlhf, small_run
 
 
 def test_partial_rollouts_pause_sync_and_resume_the_engines(assets, tmp_path) -> None:
     out = rlhf(
         "train", "grpo",
         "--run_dir", str(tmp_path),
-        "--actor.model.path", str(assets["model"]),
-        "--data.prompt_data", str(assets["train"]),
-        "--train.reward_func", str(assets["reward"]),
-        "--train.num_steps", "4",
-        "--rollout.batch_size", "4",
-        "--rollout.n_samples_per_prompt", "4",
-        "--rollout.max_new_tokens", "6",
-        "--rollout.max_len", "16",
-        "--eval.steps", "0",
-        "--vllm.num_cpus", "0.5",
-        "--actor.num_cpus_per_rank", "0.5",
+        *small_run(assets, steps=4),
         "--train.async_enable", "True",
         "--train.async_queue_size", "2",
         "--train.partial_rollout_enable", "True",

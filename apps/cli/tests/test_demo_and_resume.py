@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from .conftest import rlhf
+from .conftest import rlhf, small_run
 
 
 def test_demo_improves_held_out_accuracy(tmp_path) -> None:
@@ -39,17 +39,7 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
     """In async mode the step-2 checkpoint also holds step 3's batch, sampled with the weights
     after step 1 before the kill: the resumed run trains on exactly those samples."""
     common = [
-        "--actor.model.path", str(assets["model"]),
-        "--data.prompt_data", str(assets["train"]),
-        "--train.reward_func", str(assets["reward"]),
-        "--train.num_steps", "4",
-        "--rollout.batch_size", "4",
-        "--rollout.n_samples_per_prompt", "4",
-        "--rollout.max_new_tokens", "6",
-        "--rollout.max_len", "16",
-        "--eval.steps", "0",
-        "--vllm.num_cpus", "0.5",
-        "--actor.num_cpus_per_rank", "0.5",
+        *small_run(assets, steps=4),
         "--actor.optimizer.lr", "1e-3",
         "--actor.optimizer.total_steps", "4",
         "--actor.optimizer.min_lr_ratio", "0.0",

@@ -9,7 +9,7 @@ from rlhf.cli.config import replace
 from rlhf.cli.placement import plan_bundles
 from rlhf.cli.presets import resolve
 
-from .conftest import rlhf
+from .conftest import rlhf, small_run
 
 
 def _layout(config) -> dict[str, list[list[str]]]:
@@ -41,17 +41,7 @@ def test_a_hybrid_run_puts_every_role_in_one_placement_group(assets, tmp_path) -
     out = rlhf(
         "train", "ppo",
         "--run_dir", str(tmp_path),
-        "--actor.model.path", str(assets["model"]),
-        "--data.prompt_data", str(assets["train"]),
-        "--train.reward_func", str(assets["reward"]),
-        "--train.num_steps", "2",
-        "--rollout.batch_size", "4",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.max_new_tokens", "6",
-        "--rollout.max_len", "16",
-        "--eval.steps", "0",
-        "--vllm.num_cpus", "0.5",
-        "--actor.num_cpus_per_rank", "0.5",
+        *small_run(assets, samples=2),
         "--critic.num_cpus_per_rank", "0.5",
         "--train.colocate_all", "True",
         "--train.ref_reward_offload", "True",
@@ -75,17 +65,7 @@ def test_a_disaggregated_run_reports_no_shared_group(assets, tmp_path) -> None:
     out = rlhf(
         "train", "grpo",
         "--run_dir", str(tmp_path),
-        "--actor.model.path", str(assets["model"]),
-        "--data.prompt_data", str(assets["train"]),
-        "--train.reward_func", str(assets["reward"]),
-        "--train.num_steps", "1",
-        "--rollout.batch_size", "2",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.max_new_tokens", "4",
-        "--rollout.max_len", "16",
-        "--eval.steps", "0",
-        "--vllm.num_cpus", "0.5",
-        "--actor.num_cpus_per_rank", "0.5",
+        *small_run(assets, steps=1, prompts=2, samples=2, max_new_tokens=4),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     placement = json.loads((tmp_path / "placement.json").read_text())

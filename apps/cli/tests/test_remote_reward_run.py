@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from .conftest import rlhf
+from .conftest import rlhf, small_run
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +48,8 @@ def reward_server():
 def _args(assets, run_dir, url: str) -> list[str]:
     return [
         "--run_dir", str(run_dir),
-        "--actor.model.path", str(assets["model"]),
-        "--data.prompt_data", str(assets["train"]),
+        *small_run(assets, reward=False),
         "--train.remote_url", url,
-        "--train.num_steps", "2",
-        "--rollout.batch_size", "4",
-        "--rollout.n_samples_per_prompt", "4",
-        "--rollout.max_new_tokens", "6",
-        "--rollout.max_len", "16",
-        "--eval.steps", "0",
-        "--vllm.num_cpus", "0.5",
-        "--actor.num_cpus_per_rank", "0.5",
     ]  # fmt: skip
 
 

@@ -119,26 +119,34 @@ class SharedMemoryChannel:
         self.close()
 
 
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Map an existing segment. Its sender owns it: unless that is a channel of this very
+    process, keep this process's resource tracker from unlinking it at exit."""
+    shm = shared_memory.SharedMemory(name=name)
+    if shm.name not in _CHANNEL_SEGMENTS:
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+def _views(view: memoryview | None, sync: SharedMemorySync) -> list[WeightBucket]:
+    """The sync's buckets as views into the mapped segment."""
+    pairs = list(zip(sync.headers, sync.offsets, strict=True))
+    if view is None or any(o + h.nbytes > len(view) for h, o in pairs):
+        raise ValueError(f"shared-memory segment {sync.name!r} is smaller than its sync")
+    return [h.with_buffer(view[o : o + h.nbytes]) for h, o in pairs]
+
+
 @contextlib.contextmanager
 def receive_shared_memory(sync: SharedMemorySync) -> Iterator[list[WeightBucket]]:
     """Map the segment of ``sync`` and yield its buckets (views into it) for the block's length.
 
     Tensors made from the buckets must not outlive the block (the loader copies them into the
     model)."""
-    shm = shared_memory.SharedMemory(name=sync.name)
-    # The sender owns the segment: keep this process's resource tracker from unlinking it.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    shm = _attach(sync.name)
     view = shm.buf
     try:
-        if view is None or any(
-            o + h.nbytes > len(view) for h, o in zip(sync.headers, sync.offsets, strict=True)
-        ):
-            raise ValueError(f"shared-memory segment {sync.name!r} is smaller than its sync")
-        yield [
-            h.with_buffer(view[o : o + h.nbytes])
-            for h, o in zip(sync.headers, sync.offsets, strict=True)
-        ]
+        yield _views(view, sync)
     finally:
         del view
         with contextlib.suppress(BufferError):  # a caller kept a view: unmapped when collected
@@ -157,20 +165,8 @@ class SharedMemoryReceiver:
         """Views into the segment, valid until the next call or `close`."""
         if self._shm is None or self._shm.name.lstrip("/") != sync.name.lstrip("/"):
             self.close()
-            shm = shared_memory.SharedMemory(name=sync.name)
-            if shm.name not in _CHANNEL_SEGMENTS:  # the sender (another process) owns it
-                with contextlib.suppress(Exception):
-                    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-            self._shm = shm
-        view = self._shm.buf
-        if view is None or any(
-            o + h.nbytes > len(view) for h, o in zip(sync.headers, sync.offsets, strict=True)
-        ):
-            raise ValueError(f"shared-memory segment {sync.name!r} is smaller than its sync")
-        return [
-            h.with_buffer(view[o : o + h.nbytes])
-            for h, o in zip(sync.headers, sync.offsets, strict=True)
-        ]
+            self._shm = _attach(sync.name)
+        return _views(self._shm.buf, sync)
 
     def close(self) -> None:
         if self._shm is not None:

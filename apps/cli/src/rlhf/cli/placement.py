@@ -18,9 +18,6 @@ from typing import Any
 
 from rlhf.cli.config import RLConfig
 
-# Role names, as the driver and the plan print them.
-ROLES = ("actor", "ref", "critic", "reward_model", "engines")
-
 
 @dataclasses.dataclass(frozen=True)
 class Member:

@@ -193,8 +193,12 @@ class _Roles:
     placement: Placement | None = None
 
     def learner_groups(self) -> dict[str, Any]:
-        groups = {"actor": self.actor, "ref": self.ref, "critic": self.critic}
-        groups["reward_model"] = self.reward_model
+        groups = {
+            "actor": self.actor,
+            "ref": self.ref,
+            "critic": self.critic,
+            "reward_model": self.reward_model,
+        }
         return {name: g for name, g in groups.items() if g is not None}
 
     def report_placement(self) -> dict[str, Any]:

@@ -212,3 +212,20 @@ def test_compiled_cuda_path_equals_float64_autograd(dtype) -> None:
     torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=2e-5, rtol=2e-5)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 gradient rounding
     torch.testing.assert_close(grad.double(), ref_grad.to(grad.dtype).double(), atol=tol, rtol=tol)
+
+
+def test_the_default_chunk_on_cpu_bounds_the_float32_buffers() -> None:
+    """Without ``chunk_elements`` a CPU batch is cut into the CPU default's chunks (the CUDA
+    default would take this whole 9M-logit batch in one chunk)."""
+    from rlhf.algos.logprobs import DEFAULT_CHUNK_ELEMENTS, default_chunk_elements
+
+    cpu = default_chunk_elements(torch.device("cpu"))
+    assert cpu < default_chunk_elements(torch.device("cuda")) == DEFAULT_CHUNK_ELEMENTS["cuda"]
+    v = 4096
+    logits = torch.randn(2, 1100, v, dtype=torch.bfloat16, requires_grad=True)
+    assert logits.numel() > 2 * cpu
+    labels = torch.randint(0, v, (2, 1100))
+    with _LargestAllocation() as probe:
+        lp, ent = logprobs_and_entropy(logits, labels)
+        (lp.sum() + ent.sum()).backward()
+    assert probe.largest <= cpu, probe.largest

@@ -32,10 +32,17 @@ from torch.autograd.function import once_differentiable
 
 from rlhf.algos import _checks
 
-# 64M logits: 256 MiB per float32 buffer. Each chunk costs ~15 kernel launches; with 4M-logit
-# chunks a 152k vocabulary gave 27 rows per chunk and the launches made a 1.5B actor step on an
-# H200 host-bound (ours 0.70x a plain loop). At 64M it is 441 rows per chunk.
-DEFAULT_CHUNK_ELEMENTS = 1 << 26
+# On CUDA 64M logits: 256 MiB per float32 buffer. Each chunk costs ~15 kernel launches; with
+# 4M-logit chunks a 152k vocabulary gave 27 rows per chunk and the launches made a 1.5B actor
+# step on an H200 host-bound (ours 0.70x a plain loop). At 64M it is 441 rows per chunk.
+# Elsewhere there are no launches to amortise and 4M logits (16 MiB buffers) keep the peak low.
+DEFAULT_CHUNK_ELEMENTS = {"cuda": 1 << 26, "cpu": 1 << 22}
+
+
+def default_chunk_elements(device: torch.device) -> int:
+    """Logits per chunk when the caller passes none: `DEFAULT_CHUNK_ELEMENTS` of the device
+    type (CUDA's for CUDA, the CPU's for anything else)."""
+    return DEFAULT_CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
 
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:
@@ -218,7 +225,9 @@ def _flatten(logits: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor | No
     return flat, flat_y
 
 
-def _rows_per_chunk(vocab: int, chunk_elements: int) -> int:
+def _rows_per_chunk(vocab: int, chunk_elements: int | None, device: torch.device) -> int:
+    if chunk_elements is None:
+        chunk_elements = default_chunk_elements(device)
     if (
         isinstance(chunk_elements, bool)
         or not isinstance(chunk_elements, int)
@@ -234,7 +243,7 @@ def logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     with_entropy: bool = True,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of ``labels`` and (optionally) entropy, in one chunked pass.
 
@@ -246,14 +255,15 @@ def logprobs_and_entropy(
             ``logits[:, :-1]``: a non-contiguous slice is copied once to be flattened.
         temperature: τ > 0, the sampling temperature the rollout used.
         with_entropy: Also return the entropy.
-        chunk_elements: Logits processed per chunk (memory knob, no effect on results).
+        chunk_elements: Logits processed per chunk (memory knob, no effect on results); None:
+            `default_chunk_elements` of the logits' device.
 
     Returns:
         (logprobs (...), entropy (...) or None), float32 (float64 for float64 logits).
     """
     tau = _checks.positive("temperature", temperature)
     flat, flat_y = _flatten(logits, labels)
-    rows = _rows_per_chunk(flat.shape[1], chunk_elements)
+    rows = _rows_per_chunk(flat.shape[1], chunk_elements, flat.device)
     lp, ent = _ChunkedLogprobsEntropy.apply(flat, flat_y, tau, rows, with_entropy)
     shape = logits.shape[:-1]
     return lp.view(shape), (ent.view(shape) if with_entropy else None)
@@ -264,7 +274,7 @@ def logprobs_from_logits(
     labels: Tensor,
     *,
     temperature: float = 1.0,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> Tensor:
     """logp(y) = z_y/τ − logsumexp(z/τ). Shapes: logits (..., V), labels (...) → (...)."""
     lp, _ = logprobs_and_entropy(
@@ -277,11 +287,11 @@ def entropy_from_logits(
     logits: Tensor,
     *,
     temperature: float = 1.0,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> Tensor:
     """H = −Σ p·log p with p = softmax(z/τ). Shapes: logits (..., V) → (...)."""
     tau = _checks.positive("temperature", temperature)
     flat, _ = _flatten(logits, None)
-    rows = _rows_per_chunk(flat.shape[1], chunk_elements)
+    rows = _rows_per_chunk(flat.shape[1], chunk_elements, flat.device)
     _, ent = _ChunkedLogprobsEntropy.apply(flat, None, tau, rows, True)
     return ent.view(logits.shape[:-1])

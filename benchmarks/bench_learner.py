@@ -10,13 +10,23 @@
    (chunked, no full float32 log-softmax) against ``log_softmax(logits.float()).gather``; the
    peak RSS above the loaded model and batch is compared as a ratio (lower is better).
 
-3. ``--scale 0.5B,1.5B`` (GPU): the same side-by-side actor step in bf16 (ZeRO-2, fp32 master
+3. Padding-free packing: the same actor step (`DeepSpeedBackend`, `PPOActorObjective`) with
+   ``packing_samples`` on and off, two backends in this process alternating rounds, on a batch
+   of variable-length samples (lengths uniform in [max_len / 8, max_len], as RL responses
+   vary) cut into the same micro-batches of rows; ratio = median real tokens/s packed /
+   padded. Also reports the padding share of the padded micro-batches.
+
+4. ``--scale 0.5B,1.5B`` (GPU): the same side-by-side actor step in bf16 (ZeRO-2, fp32 master
    weights) on random Qwen2-shaped models of those sizes, 8 x 2048 tokens per step in micro-batches
    of 2 rows (``--micro-rows``); reports seconds per step and MFU. Model FLOPs per step =
    6 * (non-embedding params + lm_head params) * tokens + 6 * layers * hidden * seq * tokens
    (causal attention, forward + backward); MFU divides by the H200's dense bf16 peak (989 TFLOP/s).
+   With ``--packing`` the packing comparison of 3 runs at those sizes too (8 rows of up to 2048
+   tokens), for each attention backend of ``--attn`` (``sdpa`` builds a dense block-causal
+   mask over the packed row; ``flex_attention`` skips the masked blocks).
 
-Usage: python benchmarks/bench_learner.py [--json out.json] [--quick] [--scale 0.5B,1.5B]
+Usage: python benchmarks/bench_learner.py [--json out.json] [--quick]
+       [--scale 0.5B,1.5B [--packing] [--attn sdpa,flex_attention]]
 """
 
 from __future__ import annotations
@@ -91,6 +101,22 @@ def rl_batch(*, rows: int, length: int, vocab: int) -> Any:
     ids = torch.randint(3, vocab, (rows, length), generator=gen).tolist()
     prompt = length // 4
     masks = [[0] * prompt + [1] * (length - prompt)] * rows
+    batch = collate(ids, pad_token_id=0, per_token={"action_mask": masks})
+    m = batch["action_mask"]
+    batch.fields["old_logprobs"] = (-5.0 + 0.1 * torch.randn(m.shape, generator=gen)) * m
+    batch.fields["advantages"] = torch.randn(m.shape, generator=gen) * m
+    return batch
+
+
+def varlen_batch(*, rows: int, max_len: int, vocab: int) -> Any:
+    """Samples of lengths uniform in [max_len / 8, max_len]: a quarter prompt (at most 64
+    tokens), the rest actions."""
+    from rlhf.learner import collate
+
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(max(max_len // 8, 2), max_len + 1, (rows,), generator=gen).tolist()
+    ids = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    masks = [[0] * min(n // 4, 64) + [1] * (n - min(n // 4, 64)) for n in lengths]
     batch = collate(ids, pad_token_id=0, per_token={"action_mask": masks})
     m = batch["action_mask"]
     batch.fields["old_logprobs"] = (-5.0 + 0.1 * torch.randn(m.shape, generator=gen)) * m
@@ -203,6 +229,70 @@ def bench_step(
     }
 
 
+def bench_packing(
+    model_dir: pathlib.Path,
+    *,
+    rounds: int,
+    shape: dict[str, int] = SHAPE,
+    rows: int = 16,
+    max_len: int = 256,
+    micro_rows: int = 4,
+    bf16: bool = False,
+    attn: str = "sdpa",
+) -> dict[str, float]:
+    """Actor step padding-free vs padded, the same micro-batches of rows, alternating."""
+    from rlhf.algos import AlgoConfig, loss_normalizer
+    from rlhf.learner import (
+        DeepSpeedBackend,
+        DeepSpeedConfig,
+        LearnerConfig,
+        ModelConfig,
+        OptimizerConfig,
+        PPOActorObjective,
+    )
+
+    backends = {
+        name: DeepSpeedBackend(
+            LearnerConfig(
+                model=ModelConfig(
+                    path=str(model_dir), attn_implementation=attn, packing_samples=packed
+                ),
+                optimizer=OptimizerConfig(lr=1e-6, grad_clip=1.0),
+                deepspeed=DeepSpeedConfig(zero_stage=2, bf16=bf16),
+            )
+        )
+        for name, packed in (("padded", False), ("packed", True))
+    }
+    device = backends["padded"].device
+    batch = varlen_batch(rows=rows, max_len=max_len, vocab=shape["vocab_size"])
+    micro = [
+        batch.select(range(i, min(i + micro_rows, rows))).to(device)
+        for i in range(0, rows, micro_rows)
+    ]
+    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
+    objective = PPOActorObjective(algo=AlgoConfig(), normalizer=norm, entropy_metric=False)
+    tokens = int(batch.attention_mask.sum())
+    padded_tokens = sum(m.input_ids.numel() for m in micro)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in backends}
+    for r in range(rounds + 1):
+        for name in list(backends)[:: 1 if r % 2 else -1]:
+            start = time.perf_counter()
+            backends[name].train_step(micro, objective)
+            sync()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    padded_s, packed_s = (statistics.median(times[n]) for n in ("padded", "packed"))
+    return {
+        "attn": attn,  # type: ignore[dict-item]
+        "real_tokens_per_step": float(tokens),
+        "padding_share": 1.0 - tokens / padded_tokens,
+        "padded_s_per_step": padded_s,
+        "packed_s_per_step": packed_s,
+        "ratio_tokens_per_s_packed_over_padded": padded_s / packed_s,
+    }
+
+
 def _status_kib(field: str) -> int:
     for line in pathlib.Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field):
@@ -256,6 +346,8 @@ def main() -> None:
     parser.add_argument("--scale", default="", help="GPU: comma-separated sizes of SCALES")
     parser.add_argument("--profile", action="store_true", help="with --scale: profile a step")
     parser.add_argument("--micro-rows", type=int, default=2, help="with --scale: rows per micro")
+    parser.add_argument("--packing", action="store_true", help="with --scale: packed vs padded")
+    parser.add_argument("--attn", default="sdpa", help="with --packing: attention backends")
     parser.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -270,6 +362,16 @@ def main() -> None:
         for size in args.scale.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 make_model(pathlib.Path(tmp), SCALES[size])
+                if args.packing:
+                    for attn in args.attn.split(","):
+                        key = f"packing_{size}_{attn}"
+                        results[key] = bench_packing(
+                            pathlib.Path(tmp), rounds=rounds, shape=SCALES[size], rows=8,
+                            max_len=2048, micro_rows=args.micro_rows, bf16=True, attn=attn,
+                        )  # fmt: skip
+                        print(f"{key}:", json.dumps(results[key]), flush=True)
+                        torch.cuda.empty_cache()
+                    continue
                 results[f"actor_step_{size}"] = bench_step(
                     pathlib.Path(tmp), rounds=rounds, stage=2, shape=SCALES[size],
                     rows=8, length=2048, micro_rows=args.micro_rows, bf16=True,
@@ -287,6 +389,8 @@ def main() -> None:
         print("memory:", json.dumps(results["memory"]), flush=True)
         results["actor_step"] = bench_step(model_dir, rounds=rounds, stage=2)
         print("actor_step:", json.dumps(results["actor_step"]), flush=True)
+        results["packing"] = bench_packing(model_dir, rounds=rounds)
+        print("packing:", json.dumps(results["packing"]), flush=True)
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -60,10 +60,13 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
     extra = {
         "dr_grpo": ["--algo.loss_agg_max_len", "6"],
         "dapo": ["--algo.overlong_buffer_len", "2"],
+        # PPO runs padding-free: actor, reference and critic forwards on packed rows.
+        "ppo": ["--actor.model.packing_samples", "True", "--critic.model.packing_samples", "True"],
     }.get(preset, [])
     out = rlhf("train", preset, *_train_args(assets, tmp_path), *extra)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "[plan] prompts/step 4, samples/step 16" in out.stdout
+    assert ("padding-free (packed)" in out.stdout) == (preset == "ppo")
     rows = _rows(tmp_path / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]

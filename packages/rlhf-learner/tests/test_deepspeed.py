@@ -44,9 +44,17 @@ def group(ray_cluster):
     g.shutdown()
 
 
-def config(path, *, stage: int, lr: float = 1e-3, kind: str = "causal_lm", optimizer=True):
+def config(
+    path,
+    *,
+    stage: int,
+    lr: float = 1e-3,
+    kind: str = "causal_lm",
+    optimizer=True,
+    packing: bool = False,
+):
     return LearnerConfig(
-        model=ModelConfig(path=str(path), kind=kind),
+        model=ModelConfig(path=str(path), kind=kind, packing_samples=packing),
         optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, betas=(0.9, 0.95)) if optimizer else None,
         deepspeed=DeepSpeedConfig(zero_stage=stage),
     )
@@ -83,26 +91,30 @@ def test_sft_steps_lower_the_loss_and_change_every_parameter(group, tiny, tokeni
     assert not unchanged
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage) -> None:
+@pytest.mark.parametrize(("stage", "packing"), [(2, False), (3, False), (2, True)])
+def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage, packing) -> None:
     """2 ranks x uneven micro-batches (one rank pads with a weight-0 pass) give the loss,
-    gradient norm and update of one full-batch step in this process."""
+    gradient norm and update of one full-batch step in this process — also padding-free,
+    where a 16-token budget packs the rows (7+7, 8+7, 4+11 real tokens) into 3 micro-batches
+    and the reference runs the whole batch as one packed row."""
     model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     batch = _rl_batch(model, seed=2)
     algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
     norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
     objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
-    cfg = config(tiny, stage=stage, lr=1e-3)
+    cfg = config(tiny, stage=stage, lr=1e-3, packing=packing)
     # Reference: one process, one micro-batch, torch AdamW with the same groups and schedule.
     optimizer, scheduler = build_optimizer(model, cfg.optimizer)
-    loss, _ = objective(model, batch)
+    loss, _ = objective(model, dataclasses.replace(batch, packing_samples=packing))
     loss.backward()
     grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
     optimizer.step()
     scheduler.step()
 
     group.build(cfg)
-    out = group.train_step(batch, objective, max_rows=2)  # 3 micro-batches on 2 ranks
+    split = {"max_tokens": 16} if packing else {"max_rows": 2}
+    assert [len(m) for m, _ in group.split(batch, **split)] == [2, 1]  # 3 micro-batches
+    out = group.train_step(batch, objective, **split)
     assert out["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
     assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
     after = full_state(group)
@@ -110,7 +122,8 @@ def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage) -> None:
         torch.testing.assert_close(after[name], param.detach(), rtol=0, atol=2e-6, msg=name)
 
 
-def test_critic_step_is_exact_across_the_split(group, tiny) -> None:
+@pytest.mark.parametrize("packing", [False, True])
+def test_critic_step_is_exact_across_the_split(group, tiny, packing) -> None:
     from transformers import AutoModelForTokenClassification
 
     ref = load_model(ModelConfig(path=str(tiny), kind="scalar"))
@@ -125,11 +138,11 @@ def test_critic_step_is_exact_across_the_split(group, tiny) -> None:
     objective = CriticObjective(
         algo=algo, normalizer=float(loss_normalizer(m, mode="seq-mean-token-mean"))
     )
-    loss, _ = objective(ref, batch)
+    loss, _ = objective(ref, dataclasses.replace(batch, packing_samples=packing))
     loss.backward()
     grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in ref.parameters() if p.grad is not None))
-    group.build(config(tiny, stage=2, kind="scalar"))
-    out = group.train_step(batch, objective, max_rows=1)
+    group.build(config(tiny, stage=2, kind="scalar", packing=packing))
+    out = group.train_step(batch, objective, max_rows=3 if packing else 1)
     assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
 

@@ -73,3 +73,37 @@ def test_cuda_ipc_sync_opens_in_another_process_with_the_same_bytes() -> None:
     seen = {name: value for b in got for name, value in b["tensors"].items()}
     for name, tensor in on_gpu.items():
         assert seen[name] == digest(tensor.contiguous().view(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_packed_logprobs_on_cuda_equal_the_padded_ones(tmp_path, attn) -> None:
+    """bf16 on CUDA: the packed row runs through the GPU attention kernels (a block-causal
+    mask for sdpa, a block mask for flex attention) and gives the padded batch's log-probs;
+    `check_packing` accepts the model."""
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA GPU; run them on the device machine")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlhf.learner import ModelConfig, check_packing, collate, load_model, token_logprobs
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    model = load_model(ModelConfig(path=str(tmp_path), dtype="bfloat16", attn_implementation=attn))
+    model = model.cuda().eval()
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (37, 200, 5, 128, 64)]
+    batch = collate(rows, pad_token_id=0).to("cuda")
+    check_packing(model, device="cuda", flag="model.packing_samples")
+    with torch.no_grad():
+        padded, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+        packed, _ = token_logprobs(
+            model, batch.input_ids, batch.attention_mask, packing_samples=True
+        )
+    real = batch.attention_mask.bool()
+    # bf16 activations: the two layouts round differently (log-probs ≈ −6.2 here).
+    torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=0.1)
+    assert (packed[:, 0] == 0).all() and (packed[~real] == 0).all()

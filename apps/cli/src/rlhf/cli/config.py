@@ -127,7 +127,9 @@ class TrainConfig:
             the whole rollout batch for one step.
         ppo_epochs: Passes over each rollout batch.
         micro_batch_size: Rows per micro-batch (forward/backward unit).
-        max_tokens_per_micro_batch: Padded-token budget of a micro-batch (0: rows only).
+        max_tokens_per_micro_batch: Token budget of a micro-batch (0: rows only): padded
+            tokens, or real tokens when the role runs padding-free
+            (``--actor.model.packing_samples``).
         reward_func: ``builtin:<name>`` (exact_match, math_answer, boxed_format) or a Python
             file defining ``reward_func(queries, prompts, labels, **kw)``.
         remote_url: An HTTP reward server (OpenRLHF wire format) instead of a function.

@@ -141,7 +141,8 @@ def plan(config: RLConfig) -> list[str]:
         f"optimizer steps/rollout {config.optimizer_steps_per_rollout} "
         f"(train.batch_size {t.batch_size or samples}, ppo_epochs {t.ppo_epochs}), "
         f"micro-batches of {t.micro_batch_size} rows"
-        + (f" / {t.max_tokens_per_micro_batch} tokens" if t.max_tokens_per_micro_batch else ""),
+        + (f" / {t.max_tokens_per_micro_batch} tokens" if t.max_tokens_per_micro_batch else "")
+        + (", padding-free (packed)" if config.actor.model.packing_samples else ""),
         f"estimator {config.algo.advantage.estimator}, policy loss {config.algo.policy_loss.name}, "
         f"aggregation {config.algo.loss_agg_mode}, KL β {config.algo.kl.init_coef} "
         f"({'loss' if config.algo.kl.use_loss else 'reward'}, {config.algo.kl.estimator})",
@@ -294,7 +295,11 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
 
         scorer = dataclasses.replace(
             _eval_only(config.actor, config),
-            model=ModelConfig(path=config.train.reward_model_path, kind="scalar"),
+            model=ModelConfig(
+                path=config.train.reward_model_path,
+                kind="scalar",
+                packing_samples=config.actor.model.packing_samples,
+            ),
         )
         reward_model = group(scorer, "reward_model")
         reward_model.build(_learner(scorer, seed=seed, total_steps=1, train=False))
@@ -334,17 +339,23 @@ def _forward(group: Any, batch: Batch, fn: Callable[..., Any], config: RLConfig)
 
 def _logprob_fn(temperature: float) -> Callable[..., torch.Tensor]:
     def fn(model: Any, b: Batch) -> torch.Tensor:
-        return token_logprobs(model, b.input_ids, b.attention_mask, temperature=temperature)[0]
+        return token_logprobs(
+            model,
+            b.input_ids,
+            b.attention_mask,
+            temperature=temperature,
+            packing_samples=b.packing_samples,
+        )[0]
 
     return fn
 
 
 def _values(model: Any, b: Batch) -> torch.Tensor:
-    return token_values(model, b.input_ids, b.attention_mask)
+    return token_values(model, b.input_ids, b.attention_mask, packing_samples=b.packing_samples)
 
 
 def _scores(model: Any, b: Batch) -> torch.Tensor:
-    return sequence_scores(model, b.input_ids, b.attention_mask)
+    return sequence_scores(model, b.input_ids, b.attention_mask, packing_samples=b.packing_samples)
 
 
 def _row_scores(group: Any, batch: Batch, config: RLConfig) -> torch.Tensor:

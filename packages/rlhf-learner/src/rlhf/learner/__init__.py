@@ -26,7 +26,14 @@ from rlhf.learner.config import (
 )
 from rlhf.learner.cuda_ipc import CudaIpcShare, share_cuda_ipc
 from rlhf.learner.data import DataError, TokenRow, preference_row, sft_row
-from rlhf.learner.forward import sequence_scores, token_logprobs, token_values
+from rlhf.learner.forward import (
+    Packed,
+    check_packing,
+    pack,
+    sequence_scores,
+    token_logprobs,
+    token_values,
+)
 from rlhf.learner.models import ModelLoadError, check_model_dir, fingerprint, load_model
 from rlhf.learner.objectives import (
     CriticObjective,
@@ -75,11 +82,13 @@ __all__ = [
     "Objective",
     "OptimizerConfig",
     "PPOActorObjective",
+    "Packed",
     "RewardModelObjective",
     "SFTObjective",
     "TokenRow",
     "build_optimizer",
     "check_model_dir",
+    "check_packing",
     "collate",
     "complete_checkpoints",
     "count_buckets",
@@ -90,6 +99,7 @@ __all__ = [
     "load_model",
     "lr_lambda",
     "micro_batches",
+    "pack",
     "param_groups",
     "preference_row",
     "sequence_logps",

@@ -25,11 +25,16 @@ class Batch:
         fields: Named tensors, (B, L) per token or (B,) per sequence (``action_mask``,
             ``old_logprobs``, ``ref_logprobs``, ``rollout_logprobs``, ``advantages``,
             ``returns``, ``old_values``, ``loss_mask``, ``ref_logps``, …).
+        packing_samples: Run the model padding-free: the forward functions of
+            `rlhf.learner.forward` lay the rows end to end in one row (`pack`) and return
+            their outputs in this padded layout. Backends set it from
+            ``ModelConfig.packing_samples``.
     """
 
     input_ids: Tensor
     attention_mask: Tensor
     fields: dict[str, Tensor] = field(default_factory=dict)
+    packing_samples: bool = False
 
     def __getitem__(self, name: str) -> Tensor:
         try:
@@ -54,6 +59,7 @@ class Batch:
             self.input_ids.to(device),
             self.attention_mask.to(device),
             {k: v.to(device) for k, v in self.fields.items()},
+            self.packing_samples,
         )
 
     def select(self, rows: Sequence[int]) -> Batch:
@@ -66,7 +72,9 @@ class Batch:
             k: (v[index][:, :length] if v.dim() >= 2 and v.shape[1] == per_token else v[index])
             for k, v in self.fields.items()
         }
-        return Batch(self.input_ids[index][:, :length], mask[:, :length], fields)
+        return Batch(
+            self.input_ids[index][:, :length], mask[:, :length], fields, self.packing_samples
+        )
 
 
 def collate(
@@ -114,28 +122,36 @@ def collate(
 
 
 def micro_batches(
-    batch: Batch, *, max_tokens: int | None = None, max_rows: int | None = None
+    batch: Batch,
+    *,
+    max_tokens: int | None = None,
+    max_rows: int | None = None,
+    packing_samples: bool = False,
 ) -> list[list[int]]:
     """Rows of ``batch`` grouped into micro-batches, keeping row order.
 
-    A micro-batch holds at most ``max_rows`` rows and, padded to its longest row, at most
-    ``max_tokens`` tokens (a longer single row gets a micro-batch of its own).
+    A micro-batch holds at most ``max_rows`` rows and at most ``max_tokens`` tokens — counted
+    padded to its longest row, or, with ``packing_samples`` (the rows run end to end), as the
+    sum of the rows' real tokens. A longer single row gets a micro-batch of its own.
     """
     lengths = batch.attention_mask.sum(dim=1).tolist()
     groups: list[list[int]] = []
     longest = 0
+    total = 0
     for i, n in enumerate(lengths):
         if groups:
             rows = len(groups[-1]) + 1
-            padded = max(longest, n) * rows
+            tokens = total + n if packing_samples else max(longest, n) * rows
             if (max_rows is None or rows <= max_rows) and (
-                max_tokens is None or padded <= max_tokens
+                max_tokens is None or tokens <= max_tokens
             ):
                 groups[-1].append(i)
                 longest = max(longest, n)
+                total += n
                 continue
         groups.append([i])
         longest = n
+        total = n
     return groups
 
 

@@ -20,6 +20,10 @@ class ModelConfig:
         gradient_checkpointing: Recompute activations in the backward pass.
         attn_implementation: transformers attention backend (``sdpa``, ``eager``,
             ``flash_attention_2``).
+        packing_samples: Run micro-batches padding-free: the real tokens of all rows go end to
+            end in one row, attention kept within each sequence through position ids
+            (`rlhf.learner.forward`); token budgets of micro-batches then count real tokens.
+            Checked on a probe when the role is built.
         init_value_head: For ``scalar`` roles loaded from a causal LM (no ``score`` head in the
             checkpoint): initialise the head to zero, so initial values and rewards are 0.
         lora_rank: LoRA rank r; 0 trains the full model. With LoRA only the adapters (and a
@@ -34,6 +38,7 @@ class ModelConfig:
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    packing_samples: bool = False
     init_value_head: bool = True
     lora_rank: int = 0
     lora_alpha: int = 16

@@ -18,6 +18,7 @@ Under ZeRO-3 the model is built under ``transformers.integrations.HfDeepSpeedCon
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import pathlib
@@ -33,6 +34,7 @@ from rlhf.learner import checkpoint as ckpt
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
+from rlhf.learner.forward import check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 
@@ -131,6 +133,8 @@ class DeepSpeedBackend:
             dtype = torch.bfloat16 if config.deepspeed.bf16 else None
             self._module = model.to(device=self.device, dtype=dtype)
         self._module.eval()
+        if config.model.packing_samples:
+            check_packing(self._runner(), device=self.device, flag="model.packing_samples")
         self._ema: dict[str, Tensor] | None = None
         if config.optimizer is not None and config.optimizer.ema_decay is not None:
             self._ema = {n: _local(p).detach().float().clone() for n, p in self._trainable()}
@@ -145,6 +149,12 @@ class DeepSpeedBackend:
 
     def _runner(self) -> Any:
         return self.engine if self.engine is not None else self._module
+
+    def _placed(self, batch: Batch) -> Batch:
+        """``batch`` on this rank's device, run padding-free when the model config says so."""
+        return dataclasses.replace(
+            batch.to(self.device), packing_samples=self.config.model.packing_samples
+        )
 
     def _passes(self, count: int) -> int:
         """Passes every rank must run: the most any rank has."""
@@ -176,7 +186,7 @@ class DeepSpeedBackend:
         counted = 0
         for i in range(passes):
             real = i < len(micro_batches)
-            batch = micro_batches[i if real else 0].to(self.device)
+            batch = self._placed(micro_batches[i if real else 0])
             w = scale[i] if real else 0.0
             loss, metrics = objective(self.engine, batch)
             self.engine.backward(loss * (w * self.world_size), scale_wrt_gas=False)
@@ -209,7 +219,7 @@ class DeepSpeedBackend:
         out = []
         with torch.no_grad():
             for i in range(passes):
-                batch = micro_batches[min(i, len(micro_batches) - 1)].to(self.device)
+                batch = self._placed(micro_batches[min(i, len(micro_batches) - 1)])
                 result = fn(runner, batch)
                 if i < len(micro_batches):
                     out.append(_to_cpu(result))

@@ -2,9 +2,20 @@
 
 All outputs are aligned with ``input_ids`` (see `rlhf.learner.batch`): ``out[:, t]`` belongs to
 token ``t``, computed from the hidden state at ``t − 1``; position 0 is 0.
+
+With ``packing_samples`` the rows run padding-free: `pack` lays their real tokens end to end in
+one row of N tokens with position ids restarting at 0 for each sequence, the model runs on that
+row without an attention mask (transformers then keeps attention within each sequence — a
+block-causal mask for ``sdpa``/``eager``, variable-length kernels for ``flash_attention_2``),
+and the outputs are scattered back into the padded (B, L) layout, so objectives and loss
+aggregation see the same per-sequence rows either way. `check_packing` verifies on a probe that
+a model really keeps packed sequences apart.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -17,6 +28,87 @@ def _shift_right(x: Tensor) -> Tensor:
     return torch.cat([x.new_zeros(x.shape[0], 1), x], dim=1)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """The real tokens of a right-padded (B, L) batch laid end to end in one row.
+
+    Attributes:
+        input_ids: (1, N) the N real tokens, row after row.
+        position_ids: (1, N) each token's position within its own sequence.
+        rows: (N,) the padded row of each packed token.
+        cols: (N,) its column there.
+        shape: (B, L) of the padded batch.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    rows: Tensor
+    cols: Tensor
+    shape: tuple[int, int]
+
+    def unpack(self, values: Tensor, *, shifted: bool = False) -> Tensor:
+        """(1, N, ...) packed outputs → (B, L, ...) padded, 0 at padding.
+
+        Args:
+            values: One value (or vector) per packed token.
+            shifted: ``values[:, p]`` was computed from token ``p − 1``: at the first token of
+                each sequence that is the previous sequence's last token, so it is zeroed
+                (column 0, as in the padded layout).
+        """
+        flat = values[0]
+        if shifted:
+            first = (self.cols == 0).view(-1, *([1] * (flat.dim() - 1)))
+            flat = torch.where(first, torch.zeros_like(flat), flat)
+        out = flat.new_zeros((*self.shape, *flat.shape[1:]))
+        return out.index_put((self.rows, self.cols), flat)
+
+
+def pack(input_ids: Tensor, attention_mask: Tensor) -> Packed:
+    """Lay the real tokens of ``input_ids`` (B, L), right-padded, end to end in one row.
+
+    Position ids count real tokens within each row, so every sequence starts at 0 — the
+    boundary transformers reads from them.
+    """
+    mask = attention_mask > 0
+    rows, cols = mask.nonzero(as_tuple=True)
+    positions = (mask.long().cumsum(dim=1) - 1)[rows, cols]
+    return Packed(
+        input_ids=input_ids[rows, cols][None],
+        position_ids=positions[None],
+        rows=rows,
+        cols=cols,
+        shape=(int(input_ids.shape[0]), int(input_ids.shape[1])),
+    )
+
+
+def _outputs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    packing_samples: bool,
+    head: Callable[[Tensor, Tensor], tuple[Tensor | None, ...]],
+    *,
+    shifted: bool,
+) -> tuple[Tensor | None, ...]:
+    """``head(model output, input_ids)`` → per-token tensors, in the padded layout.
+
+    ``head`` maps the model's ``logits`` (b, n, ...) and the ids it saw (b, n) to tensors of
+    shape (b, n) (None passes through); with packing b = 1 and n = N and the results are
+    unpacked.
+    """
+    if not packing_samples:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return head(logits, input_ids)
+    packed = pack(input_ids, attention_mask)
+    logits = model(
+        input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+    ).logits
+    return tuple(
+        None if out is None else packed.unpack(out, shifted=shifted)
+        for out in head(logits, packed.input_ids)
+    )
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: Tensor,
@@ -24,42 +116,114 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    packing_samples: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of every token given its prefix, on temperature-scaled logits.
 
     Args:
         model: A causal LM.
         input_ids: (B, L).
-        attention_mask: (B, L).
+        attention_mask: (B, L), right-padded.
         temperature: The sampler's temperature (log-probs must match what it sampled from).
         with_entropy: Also return the entropy of each position's distribution.
+        packing_samples: Run the rows padding-free (see the module docstring).
 
     Returns:
         (B, L) float32 log-probs and (B, L) entropies or None; column 0 is 0.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    lp, ent = logprobs_and_entropy(
-        logits[:, :-1], input_ids[:, 1:], temperature=temperature, with_entropy=with_entropy
-    )
-    return _shift_right(lp.float()), (_shift_right(ent.float()) if ent is not None else None)
+
+    def head(logits: Tensor, ids: Tensor) -> tuple[Tensor | None, ...]:
+        lp, ent = logprobs_and_entropy(
+            logits[:, :-1], ids[:, 1:], temperature=temperature, with_entropy=with_entropy
+        )
+        return _shift_right(lp.float()), (_shift_right(ent.float()) if ent is not None else None)
+
+    lp, ent = _outputs(model, input_ids, attention_mask, packing_samples, head, shifted=True)
+    assert lp is not None
+    return lp, ent
 
 
-def token_values(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def token_values(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    packing_samples: bool = False,
+) -> Tensor:
     """Critic values V(s_t) of the state in which token ``t`` is chosen.
 
     Returns:
         (B, L) float32; column 0 is 0.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0]
-    return _shift_right(out[:, :-1].float())
+    (values,) = _outputs(
+        model,
+        input_ids,
+        attention_mask,
+        packing_samples,
+        lambda out, _: (_shift_right(out[:, :-1, 0].float()),),
+        shifted=True,
+    )
+    assert values is not None
+    return values
 
 
-def sequence_scores(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def sequence_scores(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    packing_samples: bool = False,
+) -> Tensor:
     """Reward-model score of each sequence: the head at its last real token.
 
     Returns:
         (B,) float32.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0]
+    (out,) = _outputs(
+        model,
+        input_ids,
+        attention_mask,
+        packing_samples,
+        lambda logits, _: (logits[..., 0].float(),),
+        shifted=False,
+    )
+    assert out is not None
     last = attention_mask.long().sum(dim=1).clamp(min=1) - 1
-    return out.gather(1, last[:, None])[:, 0].float()
+    return out.gather(1, last[:, None])[:, 0]
+
+
+def check_packing(model: torch.nn.Module, *, device: torch.device | str, flag: str) -> None:
+    """Raise when ``model`` lets packed sequences attend to each other.
+
+    Runs a probe of two sequences packed into one row and compares the second sequence's
+    outputs with a forward of it alone; a model whose attention ignores the position-id
+    boundaries gives different outputs (its tokens see the first sequence).
+
+    Args:
+        model: The role's model (or its engine), in eval mode; every rank calls this.
+        device: Where the probe runs.
+        flag: The option that turned packing on, for the message.
+    """
+    first = torch.arange(5, device=device)  # ids below 9: inside any vocabulary
+    second = torch.tensor([1, 8, 3], device=device)
+    ids = torch.zeros((2, 5), dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    ids[0], mask[0] = first, 1
+    ids[1, :3], mask[1, :3] = second, 1
+    with torch.no_grad():
+        packed = pack(ids, mask)
+        together = model(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+        ).logits[0, 5:]
+        alone = model(input_ids=second[None], use_cache=False).logits[0]
+    scale = float(alone.float().abs().max()) + 1.0
+    gap = float((together.float() - alone.float()).abs().max())
+    # bf16 rounds differently in the two layouts; a leak across sequences moves outputs by O(1).
+    tolerance = (2e-2 if alone.dtype in (torch.bfloat16, torch.float16) else 1e-4) * scale
+    if not gap <= tolerance:
+        raise ValueError(
+            f"{flag}: this model's attention does not keep packed sequences apart (a probe's "
+            f"outputs moved by {gap:.3g}, tolerance {tolerance:.3g}); its transformers "
+            "implementation must derive the attention of packed rows from position_ids (as "
+            f"transformers' sdpa, eager and flash_attention_2 paths do) — turn {flag} off"
+        )

@@ -71,6 +71,7 @@ class PPOActorObjective:
             batch.attention_mask,
             temperature=self.temperature,
             with_entropy=want_entropy or self.entropy_metric,
+            packing_samples=batch.packing_samples,
         )
         mask = batch["action_mask"]
         # On-policy with one optimizer step per rollout, π_old is the policy itself: the
@@ -133,7 +134,9 @@ class CriticObjective:
     normalizer: float
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
-        values = token_values(model, batch.input_ids, batch.attention_mask)
+        values = token_values(
+            model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
+        )
         mask = batch["action_mask"]
         per_token, metrics = clipped_value_loss(
             values=values,
@@ -164,7 +167,9 @@ class SFTObjective:
     normalizer: float
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
-        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+        logprobs, _ = token_logprobs(
+            model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
+        )
         return sft_loss(logprobs=logprobs, loss_mask=batch["loss_mask"], normalizer=self.normalizer)
 
 
@@ -190,7 +195,9 @@ class RewardModelObjective:
     loss_type: str = "sigmoid"
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
-        scores = sequence_scores(model, batch.input_ids, batch.attention_mask)
+        scores = sequence_scores(
+            model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
+        )
         chosen, rejected = _halves(batch, scores)
         margin = batch.get("margin")
         return reward_model_loss(
@@ -204,7 +211,9 @@ class RewardModelObjective:
 
 def sequence_logps(model: torch.nn.Module, batch: Batch) -> Tensor:
     """Σ over ``loss_mask`` of the token log-probs: (B,) (DPO's log π(y|x))."""
-    logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    logprobs, _ = token_logprobs(
+        model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
+    )
     mask = batch["loss_mask"]
     return torch.where(mask > 0, logprobs, torch.zeros_like(logprobs)).sum(dim=1)
 

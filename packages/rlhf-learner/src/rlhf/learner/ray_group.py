@@ -123,6 +123,7 @@ class LearnerGroup:
             for r in range(num_ranks)
         ]
         self.world_size = num_ranks
+        self.packing_samples = False  # set by build(): token budgets count real tokens
 
     def _all(
         self, method: str, *args: Any, per_rank: Sequence[Sequence[Any]] | None = None
@@ -139,6 +140,7 @@ class LearnerGroup:
 
     def build(self, config: LearnerConfig) -> dict[str, list[int]]:
         """Build the role on every rank (they meet in one process group)."""
+        self.packing_samples = config.model.packing_samples
         return self._all("build", config)[0]
 
     def split(
@@ -146,7 +148,9 @@ class LearnerGroup:
     ) -> list[tuple[list[Batch], list[float]]]:
         """Micro-batches of ``batch`` dealt to ranks; ranks left without one get a weight-0
         copy of the first (every rank must run the same collectives)."""
-        groups = micro_batches(batch, max_tokens=max_tokens, max_rows=max_rows)
+        groups = micro_batches(
+            batch, max_tokens=max_tokens, max_rows=max_rows, packing_samples=self.packing_samples
+        )
         out = []
         for rows in shard(groups, self.world_size):
             if rows:
@@ -204,7 +208,9 @@ class LearnerGroup:
     ) -> list[Any]:
         """``fn(model, micro_batch)`` over ``batch`` on all ranks; results per micro-batch in
         row order, with the rows of each (``[(rows, result), ...]``)."""
-        groups = micro_batches(batch, max_tokens=max_tokens, max_rows=max_rows)
+        groups = micro_batches(
+            batch, max_tokens=max_tokens, max_rows=max_rows, packing_samples=self.packing_samples
+        )
         dealt = shard(groups, self.world_size)
         args = [
             ([batch.select(r) for r in rows] if rows else [batch.select(groups[0])], fn)

@@ -44,12 +44,12 @@ def sft_model(assets, tmp_path_factory):
     return run / "final"
 
 
-def _pref(kind: str, model, pairs, run_dir, steps: int, lr: str) -> dict:
+def _pref(kind: str, model, pairs, run_dir, steps: int, lr: str, *extra: str) -> dict:
     out = rlhf(
         "train", kind, "--run_dir", str(run_dir), "--model.model.path", str(model),
         "--model.optimizer.lr", lr, "--dataset", str(pairs / "train.jsonl"),
         "--eval_dataset", str(pairs / "eval.jsonl"), "--input_template", "{}",
-        "--num_steps", str(steps), "--batch_size", "32", "--micro_batch_size", "16",
+        "--num_steps", str(steps), "--batch_size", "32", "--micro_batch_size", "16", *extra,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -57,7 +57,9 @@ def _pref(kind: str, model, pairs, run_dir, steps: int, lr: str) -> dict:
 
 
 def test_sft_then_rm_then_ppo_with_the_reward_model(assets, pairs, sft_model, tmp_path) -> None:
-    rm = _pref("rm", sft_model, pairs, tmp_path / "rm", steps=60, lr="2e-3")
+    # The reward model trains and scores padding-free (last-token scores from packed rows).
+    packed = ("--model.model.packing_samples", "True")
+    rm = _pref("rm", sft_model, pairs, tmp_path / "rm", 60, "2e-3", *packed)
     assert "[rm] held-out pair accuracy" in rm["stdout"]
     end = [r for r in rm["rows"] if "rm/eval_accuracy" in r][-1]["rm/eval_accuracy"]
     assert end >= 0.8  # chosen = sorted digits is easy to tell apart

@@ -130,7 +130,9 @@ def _logps(model: Any, batch: Any) -> torch.Tensor:
 def _scores(model: Any, batch: Any) -> torch.Tensor:
     from rlhf.learner import sequence_scores
 
-    return sequence_scores(model, batch.input_ids, batch.attention_mask)
+    return sequence_scores(
+        model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
+    )
 
 
 def run_preference(

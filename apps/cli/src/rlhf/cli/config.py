@@ -155,6 +155,14 @@ class TrainConfig:
             parameters offloaded to the CPU between uses (OpenRLHF's ``--ref_reward_offload``).
         use_tensorboard: Also write the metrics as TensorBoard events into this directory
             (needs ``pip install 'rlhf-cli[tensorboard]'``); empty: JSONL only.
+        use_wandb: Also log to Weights & Biases (needs ``pip install 'rlhf-cli[wandb]'``;
+            credentials from ``wandb login`` or ``WANDB_API_KEY``, never a flag, so they stay
+            out of config.json; ``WANDB_MODE=offline`` keeps the run under ``run_dir/wandb``).
+            A resumed run continues the same W&B run.
+        wandb_project: W&B project.
+        wandb_org: W&B entity (team or user); empty: the account's default.
+        wandb_group: W&B group of the run; empty: none.
+        wandb_run_name: W&B display name; empty: the run directory's name.
         seed: Seed of prompt order, sampling and initialisation.
     """
 
@@ -176,6 +184,11 @@ class TrainConfig:
     colocate_all: bool = False
     ref_reward_offload: bool = False
     use_tensorboard: str = ""
+    use_wandb: bool = False
+    wandb_project: str = "rlhf"
+    wandb_org: str = ""
+    wandb_group: str = ""
+    wandb_run_name: str = ""
     seed: int = 42
 
 

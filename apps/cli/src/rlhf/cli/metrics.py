@@ -1,6 +1,7 @@
 """Run logging: a JSONL metrics file (one object per line, flushed each step), optionally
-TensorBoard event files (the ``tensorboard`` extra), and the reward/accuracy curves as a PNG at
-the end. Every sink takes the same rows (`MetricsSink`)."""
+TensorBoard event files (the ``tensorboard`` extra) and a Weights & Biases run (the ``wandb``
+extra), and the reward/accuracy curves as a PNG at the end. Every sink takes the same rows
+(`MetricsSink`)."""
 
 from __future__ import annotations
 
@@ -60,15 +61,85 @@ class TensorBoardLog:
 
     def write(self, metrics: Mapping[str, Any]) -> None:
         step = int(metrics["step"])
-        for key, value in metrics.items():
-            if key == "step" or key.startswith("data/") or isinstance(value, bool):
-                continue
-            if isinstance(value, int | float) and math.isfinite(value):
-                self.writer.add_scalar(key, float(value), global_step=step)
+        for key, value in _scalars(metrics).items():
+            self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numbers of a row, without ``step``, booleans and ``data/`` identifiers."""
+    return {
+        key: float(value)
+        for key, value in metrics.items()
+        if key != "step"
+        and not key.startswith("data/")
+        and not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+    }
+
+
+class WandbLog:
+    """Every row as one W&B history entry, plotted against our ``step`` (a custom step
+    metric, so a resumed run may log steps again after those it logged before being killed).
+
+    The run's id is kept in ``run_dir/wandb_run_id``: a run resumed from a checkpoint
+    (``resume``) continues the same W&B run. Credentials and mode come from W&B itself
+    (``wandb login`` or ``WANDB_API_KEY``; ``WANDB_MODE=offline`` writes the run under
+    ``run_dir/wandb`` for a later ``wandb sync``).
+
+    Raises:
+        ImportError: naming the extra to install when ``wandb`` is missing.
+        RuntimeError: when W&B cannot start the run (no credentials, say), with what to do.
+    """
+
+    def __init__(
+        self,
+        run_dir: pathlib.Path,
+        *,
+        config: Mapping[str, Any],
+        project: str,
+        group: str = "",
+        name: str = "",
+        entity: str = "",
+        resume: bool = False,
+    ) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError(
+                "--train.use_wandb needs the wandb package: pip install 'rlhf-cli[wandb]'"
+            ) from exc
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+        try:
+            self.run = wandb.init(
+                project=project,
+                entity=entity or None,
+                group=group or None,
+                name=name or run_dir.name,
+                id=run_id,
+                resume="allow" if run_id else None,
+                config=dict(config),
+                dir=str(run_dir),
+            )
+        except wandb.errors.Error as exc:
+            raise RuntimeError(
+                f"--train.use_wandb: W&B could not start the run ({exc}); run `wandb login` or "
+                "set WANDB_API_KEY, or set WANDB_MODE=offline and `wandb sync` later"
+            ) from exc
+        id_file.write_text(self.run.id)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def write(self, metrics: Mapping[str, Any]) -> None:
+        self.run.log({"step": int(metrics["step"]), **_scalars(metrics)})
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class Sinks:

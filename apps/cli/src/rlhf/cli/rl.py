@@ -45,7 +45,15 @@ from rlhf.algos import (
 )
 from rlhf.cli.config import ConfigError, RLConfig
 from rlhf.cli.data import PromptSampler, load_prompts
-from rlhf.cli.metrics import MetricsLog, MetricsSink, Progress, Sinks, TensorBoardLog, plot_curves
+from rlhf.cli.metrics import (
+    MetricsLog,
+    MetricsSink,
+    Progress,
+    Sinks,
+    TensorBoardLog,
+    WandbLog,
+    plot_curves,
+)
 from rlhf.cli.placement import (
     Placement,
     describe,
@@ -418,11 +426,24 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
     reward = _reward_scorer(config)
     user_agent = agent_module(config) if config.train.agent_func_path else None
     sinks: list[MetricsSink] = [MetricsLog(run_dir / "metrics.jsonl")]
-    if config.train.use_tensorboard:
-        try:
-            sinks.append(TensorBoardLog(pathlib.Path(config.train.use_tensorboard)))
-        except ImportError as exc:
-            raise ConfigError(str(exc)) from exc
+    t = config.train
+    try:
+        if t.use_tensorboard:
+            sinks.append(TensorBoardLog(pathlib.Path(t.use_tensorboard)))
+        if t.use_wandb:
+            sinks.append(
+                WandbLog(
+                    run_dir,
+                    config=dataclasses.asdict(config),
+                    project=t.wandb_project,
+                    group=t.wandb_group,
+                    name=t.wandb_run_name,
+                    entity=t.wandb_org,
+                    resume=config.ckpt.load_enable,
+                )
+            )
+    except (ImportError, RuntimeError) as exc:
+        raise ConfigError(str(exc)) from exc
     log = Sinks(sinks)
     r = config.rollout
     total_opt_steps = config.train.num_steps * config.optimizer_steps_per_rollout

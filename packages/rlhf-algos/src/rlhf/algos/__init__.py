@@ -33,6 +33,7 @@ from rlhf.algos.kl import (
     kl_penalty,
     make_kl_controller,
 )
+from rlhf.algos.linear_logprobs import linear_logprobs_and_entropy
 from rlhf.algos.logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from rlhf.algos.masked import WhitenStats, masked_mean, masked_sum, masked_whiten, whiten_stats
 from rlhf.algos.policy import POLICY_LOSSES, PolicyLossConfig, policy_loss
@@ -89,6 +90,7 @@ __all__ = [
     "gae",
     "kl_penalty",
     "last_action_index",
+    "linear_logprobs_and_entropy",
     "logprobs_and_entropy",
     "logprobs_from_logits",
     "loss_normalizer",

@@ -109,6 +109,53 @@ def _fused_kernels(device: torch.device) -> tuple[Any, Any] | None:
     return _COMPILED["forward"], _COMPILED["backward"]
 
 
+def _eager_forward_chunk(
+    x: Tensor, labels: Tensor | None, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(lse, logprobs, entropy) of one chunk, eagerly, with as few float32 buffers as it can."""
+    z = _scaled(x, temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    lp = None if labels is None else z.gather(1, labels.unsqueeze(1)).squeeze(1) - lse
+    ent = None
+    if with_entropy:
+        # −Σ p·logp rather than lse − Σ p·z: no cancellation for peaked distributions.
+        # −inf logits (masked vocabulary) give p = 0: keep 0·log p at 0, not NaN.
+        log_p = torch.sub(z, lse.unsqueeze(1)).clamp_(min=torch.finfo(z.dtype).min)
+        ent = -torch.einsum("nv,nv->n", log_p.exp(), log_p)
+    return lse, lp, ent
+
+
+def _eager_backward_chunk(
+    x: Tensor,
+    lse: Tensor,
+    labels: Tensor | None,
+    g_lp: Tensor | None,
+    g_ent: Tensor | None,
+    temperature: float,
+) -> Tensor:
+    """∂/∂x of one chunk (in the compute dtype), in place on one owned copy of the chunk."""
+    # An owned copy: the in-place steps below must never touch the input.
+    z = _scaled(x, temperature, owned=True)
+    log_p = z.sub_(lse.unsqueeze(1)).clamp_(min=torch.finfo(z.dtype).min)
+    p = log_p.exp()
+    if g_ent is not None:
+        neg_entropy = torch.einsum("nv,nv->n", p, log_p).unsqueeze(1)
+        g = log_p.sub_(neg_entropy).mul_(p).mul_(-g_ent.unsqueeze(1))
+    else:
+        g = log_p.zero_()
+    if g_lp is not None and labels is not None:
+        g.sub_(p.mul_(g_lp.unsqueeze(1)))
+        g.scatter_add_(1, labels.unsqueeze(1), g_lp.unsqueeze(1))
+    return g.div_(temperature) if temperature != 1.0 else g
+
+
+def chunk_kernels(device: torch.device) -> tuple[Any, Any]:
+    """(forward, backward) of one chunk on ``device``: compiled on CUDA (`_fused_kernels`),
+    eager elsewhere. ``forward(x, labels, τ, with_entropy) -> (lse, logprobs, entropy)``;
+    ``backward(x, lse, labels, g_logprobs, g_entropy, τ) -> ∂/∂x``."""
+    return _fused_kernels(device) or (_eager_forward_chunk, _eager_backward_chunk)
+
+
 class _ChunkedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -124,30 +171,17 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         lse = torch.empty(n, **like)
         logprobs = torch.empty(n if labels is not None else 0, **like)
         entropy = torch.empty(n if with_entropy else 0, **like)
-        fused = _fused_kernels(logits.device)
+        forward_chunk, _ = chunk_kernels(logits.device)
         for start in range(0, n, rows_per_chunk):
             end = min(start + rows_per_chunk, n)
-            if fused is not None:
-                chunk_labels = labels[start:end] if labels is not None else None
-                lse[start:end], lp, ent = fused[0](
-                    logits[start:end], chunk_labels, temperature, with_entropy
-                )
-                if lp is not None:
-                    logprobs[start:end] = lp
-                if ent is not None:
-                    entropy[start:end] = ent
-                continue
-            z = _scaled(logits[start:end], temperature)
-            chunk_lse = torch.logsumexp(z, dim=-1)
-            lse[start:end] = chunk_lse
-            if labels is not None:
-                picked = z.gather(1, labels[start:end].unsqueeze(1)).squeeze(1)
-                logprobs[start:end] = picked - chunk_lse
-            if with_entropy:
-                # −Σ p·logp rather than lse − Σ p·z: no cancellation for peaked distributions.
-                # −inf logits (masked vocabulary) give p = 0: keep 0·log p at 0, not NaN.
-                log_p = torch.sub(z, chunk_lse.unsqueeze(1)).clamp_(min=torch.finfo(z.dtype).min)
-                entropy[start:end] = -torch.einsum("nv,nv->n", log_p.exp(), log_p)
+            chunk_labels = labels[start:end] if labels is not None else None
+            lse[start:end], lp, ent = forward_chunk(
+                logits[start:end], chunk_labels, temperature, with_entropy
+            )
+            if lp is not None:
+                logprobs[start:end] = lp
+            if ent is not None:
+                entropy[start:end] = ent
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels if labels is not None else torch.empty(0), lse)
         ctx.has_labels = labels is not None
@@ -164,39 +198,19 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         # Grads of unused outputs arrive as None (materialisation is off).
-        g_lp_all = grad_logprobs if ctx.has_labels else None
-        g_ent_all = grad_entropy if ctx.with_entropy else None
-        fused = _fused_kernels(logits.device)
-        if fused is not None:
-            for start in range(0, logits.shape[0], ctx.rows_per_chunk):
-                end = min(start + ctx.rows_per_chunk, logits.shape[0])
-                grad[start:end] = fused[1](
-                    logits[start:end],
-                    lse[start:end],
-                    labels[start:end] if ctx.has_labels else None,
-                    g_lp_all[start:end] if g_lp_all is not None else None,
-                    g_ent_all[start:end] if g_ent_all is not None else None,
-                    ctx.temperature,
-                )
-            return grad, None, None, None, None
+        g_lp = grad_logprobs if ctx.has_labels else None
+        g_ent = grad_entropy if ctx.with_entropy else None
+        _, backward_chunk = chunk_kernels(logits.device)
         for start in range(0, logits.shape[0], ctx.rows_per_chunk):
             end = min(start + ctx.rows_per_chunk, logits.shape[0])
-            # An owned copy: the in-place steps below must never touch the input.
-            z = _scaled(logits[start:end], ctx.temperature, owned=True)
-            log_p = z.sub_(lse[start:end].unsqueeze(1)).clamp_(min=torch.finfo(z.dtype).min)
-            p = log_p.exp()
-            if g_ent_all is not None:
-                neg_entropy = torch.einsum("nv,nv->n", p, log_p).unsqueeze(1)
-                g = log_p.sub_(neg_entropy).mul_(p).mul_(-g_ent_all[start:end].unsqueeze(1))
-            else:
-                g = log_p.zero_()
-            if g_lp_all is not None:
-                g_lp = g_lp_all[start:end].unsqueeze(1)
-                g.sub_(p.mul_(g_lp))
-                g.scatter_add_(1, labels[start:end].unsqueeze(1), g_lp)
-            if ctx.temperature != 1.0:
-                g.div_(ctx.temperature)
-            grad[start:end] = g
+            grad[start:end] = backward_chunk(
+                logits[start:end],
+                lse[start:end],
+                labels[start:end] if ctx.has_labels else None,
+                g_lp[start:end] if g_lp is not None else None,
+                g_ent[start:end] if g_ent is not None else None,
+                ctx.temperature,
+            )
         return grad, None, None, None, None
 
 

@@ -7,14 +7,16 @@
    rounds; ratio = median tokens/s of ours / plain (target >= 0.95).
 2. Peak memory of the log-prob path (forward + backward of the actor loss on 4 x 512 tokens,
    vocabulary 16384), each variant in a fresh subprocess: `rlhf.learner.token_logprobs`
-   (chunked, no full float32 log-softmax) against ``log_softmax(logits.float()).gather``; the
-   peak RSS above the loaded model and batch is compared as a ratio (lower is better).
+   (chunked, no full float32 log-softmax; and with ``chunked_lm_head``, no logits at all)
+   against ``log_softmax(logits.float()).gather``; the peak RSS above the loaded model and
+   batch is compared as a ratio (lower is better).
 
-3. Padding-free packing: the same actor step (`DeepSpeedBackend`, `PPOActorObjective`) with
-   ``packing_samples`` on and off, two backends in this process alternating rounds, on a batch
-   of variable-length samples (lengths uniform in [max_len / 8, max_len], as RL responses
-   vary) cut into the same micro-batches of rows; ratio = median real tokens/s packed /
-   padded. Also reports the padding share of the padded micro-batches.
+3. Model options: the same actor step (`DeepSpeedBackend`, `PPOActorObjective`) with one
+   ``ModelConfig`` option off and on — ``packing_samples`` (padding-free) and
+   ``chunked_lm_head`` — two backends in this process alternating rounds, on a batch of
+   variable-length samples (lengths uniform in [max_len / 8, max_len], as RL responses vary)
+   cut into the same micro-batches of rows; ratio = median tokens/s on / off. Also reports
+   the padding share of the padded micro-batches.
 
 4. ``--scale 0.5B,1.5B`` (GPU): the same side-by-side actor step in bf16 (ZeRO-2, fp32 master
    weights) on random Qwen2-shaped models of those sizes, 8 x 2048 tokens per step in micro-batches
@@ -229,9 +231,10 @@ def bench_step(
     }
 
 
-def bench_packing(
+def bench_option(
     model_dir: pathlib.Path,
     *,
+    option: str,
     rounds: int,
     shape: dict[str, int] = SHAPE,
     rows: int = 16,
@@ -239,8 +242,9 @@ def bench_packing(
     micro_rows: int = 4,
     bf16: bool = False,
     attn: str = "sdpa",
-) -> dict[str, float]:
-    """Actor step padding-free vs padded, the same micro-batches of rows, alternating."""
+) -> dict[str, Any]:
+    """Actor step with one boolean ``ModelConfig`` option off and on (``packing_samples``,
+    ``chunked_lm_head``): two backends, the same micro-batches of rows, alternating rounds."""
     from rlhf.algos import AlgoConfig, loss_normalizer
     from rlhf.learner import (
         DeepSpeedBackend,
@@ -254,16 +258,14 @@ def bench_packing(
     backends = {
         name: DeepSpeedBackend(
             LearnerConfig(
-                model=ModelConfig(
-                    path=str(model_dir), attn_implementation=attn, packing_samples=packed
-                ),
+                model=ModelConfig(path=str(model_dir), attn_implementation=attn, **{option: value}),
                 optimizer=OptimizerConfig(lr=1e-6, grad_clip=1.0),
                 deepspeed=DeepSpeedConfig(zero_stage=2, bf16=bf16),
             )
         )
-        for name, packed in (("padded", False), ("packed", True))
+        for name, value in (("off", False), ("on", True))
     }
-    device = backends["padded"].device
+    device = backends["off"].device
     batch = varlen_batch(rows=rows, max_len=max_len, vocab=shape["vocab_size"])
     micro = [
         batch.select(range(i, min(i + micro_rows, rows))).to(device)
@@ -282,14 +284,15 @@ def bench_packing(
             sync()
             if r:
                 times[name].append(time.perf_counter() - start)
-    padded_s, packed_s = (statistics.median(times[n]) for n in ("padded", "packed"))
+    off_s, on_s = (statistics.median(times[n]) for n in ("off", "on"))
     return {
-        "attn": attn,  # type: ignore[dict-item]
+        "option": option,
+        "attn": attn,
         "real_tokens_per_step": float(tokens),
         "padding_share": 1.0 - tokens / padded_tokens,
-        "padded_s_per_step": padded_s,
-        "packed_s_per_step": packed_s,
-        "ratio_tokens_per_s_packed_over_padded": padded_s / packed_s,
+        "off_s_per_step": off_s,
+        "on_s_per_step": on_s,
+        "ratio_tokens_per_s_on_over_off": off_s / on_s,
     }
 
 
@@ -312,7 +315,12 @@ def peak_child(variant: str, model_dir: pathlib.Path) -> None:
     if variant == "naive":
         loss = plain_loss(model, batch, 1.0)
     else:
-        logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+        logp, _ = token_logprobs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            chunked_lm_head=variant == "chunked_head",
+        )
         mask = batch["action_mask"]
         ratio = torch.exp(logp - batch["old_logprobs"])
         adv = batch["advantages"]
@@ -324,7 +332,7 @@ def peak_child(variant: str, model_dir: pathlib.Path) -> None:
 def bench_memory(model_dir: pathlib.Path) -> dict[str, float]:
     """Extra peak RSS of one forward + backward, each variant in a fresh process."""
     extra = {}
-    for variant in ("naive", "chunked"):
+    for variant in ("naive", "chunked", "chunked_head"):
         result = subprocess.run(
             [sys.executable, __file__, "--peak-child", variant, "--model", str(model_dir)],
             capture_output=True,
@@ -335,7 +343,9 @@ def bench_memory(model_dir: pathlib.Path) -> dict[str, float]:
     return {
         "naive_extra_peak_mib": extra["naive"],
         "chunked_extra_peak_mib": extra["chunked"],
+        "chunked_head_extra_peak_mib": extra["chunked_head"],
         "ratio_extra_peak_chunked_over_naive": extra["chunked"] / extra["naive"],
+        "ratio_extra_peak_chunked_head_over_naive": extra["chunked_head"] / extra["naive"],
     }
 
 
@@ -365,8 +375,9 @@ def main() -> None:
                 if args.packing:
                     for attn in args.attn.split(","):
                         key = f"packing_{size}_{attn}"
-                        results[key] = bench_packing(
-                            pathlib.Path(tmp), rounds=rounds, shape=SCALES[size], rows=8,
+                        results[key] = bench_option(
+                            pathlib.Path(tmp), option="packing_samples", rounds=rounds,
+                            shape=SCALES[size], rows=8,
                             max_len=2048, micro_rows=args.micro_rows, bf16=True, attn=attn,
                         )  # fmt: skip
                         print(f"{key}:", json.dumps(results[key]), flush=True)
@@ -389,8 +400,9 @@ def main() -> None:
         print("memory:", json.dumps(results["memory"]), flush=True)
         results["actor_step"] = bench_step(model_dir, rounds=rounds, stage=2)
         print("actor_step:", json.dumps(results["actor_step"]), flush=True)
-        results["packing"] = bench_packing(model_dir, rounds=rounds)
-        print("packing:", json.dumps(results["packing"]), flush=True)
+        for option in ("packing_samples", "chunked_lm_head"):
+            results[option] = bench_option(model_dir, option=option, rounds=rounds)
+            print(f"{option}:", json.dumps(results[option]), flush=True)
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

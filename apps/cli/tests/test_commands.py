@@ -62,6 +62,8 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
         "dapo": ["--algo.overlong_buffer_len", "2"],
         # PPO runs padding-free: actor, reference and critic forwards on packed rows.
         "ppo": ["--actor.model.packing_samples", "True", "--critic.model.packing_samples", "True"],
+        # GRPO's actor and reference take their log-probs through the chunked lm_head.
+        "grpo": ["--actor.model.chunked_lm_head", "True"],
     }.get(preset, [])
     out = rlhf("train", preset, *_train_args(assets, tmp_path), *extra)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -137,6 +139,16 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
             "--train.async_queue_size must be >= 1",
         ),
         (["--MODEL", "--data.input_key", "question"], "row 0 has no 'question' (--data.input_key)"),
+        (
+            [
+                "--MODEL",
+                "--actor.model.chunked_lm_head",
+                "True",
+                "--actor.deepspeed.zero_stage",
+                "3",
+            ],
+            "--actor.model.chunked_lm_head needs --actor.deepspeed.zero_stage <= 2",
+        ),
         (
             ["--MODEL", "--data.prompt_data", "/no/such.jsonl"],
             "data source '/no/such.jsonl' does not exist",

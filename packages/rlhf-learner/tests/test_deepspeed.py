@@ -52,9 +52,12 @@ def config(
     kind: str = "causal_lm",
     optimizer=True,
     packing: bool = False,
+    chunked: bool = False,
 ):
     return LearnerConfig(
-        model=ModelConfig(path=str(path), kind=kind, packing_samples=packing),
+        model=ModelConfig(
+            path=str(path), kind=kind, packing_samples=packing, chunked_lm_head=chunked
+        ),
         optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, betas=(0.9, 0.95)) if optimizer else None,
         deepspeed=DeepSpeedConfig(zero_stage=stage),
     )
@@ -91,18 +94,22 @@ def test_sft_steps_lower_the_loss_and_change_every_parameter(group, tiny, tokeni
     assert not unchanged
 
 
-@pytest.mark.parametrize(("stage", "packing"), [(2, False), (3, False), (2, True)])
-def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage, packing) -> None:
+@pytest.mark.parametrize(
+    ("stage", "option"), [(2, None), (3, None), (2, "packing"), (2, "chunked_lm_head")]
+)
+def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage, option) -> None:
     """2 ranks x uneven micro-batches (one rank pads with a weight-0 pass) give the loss,
     gradient norm and update of one full-batch step in this process — also padding-free,
     where a 16-token budget packs the rows (7+7, 8+7, 4+11 real tokens) into 3 micro-batches
-    and the reference runs the whole batch as one packed row."""
+    and the reference runs the whole batch as one packed row, and with the chunked lm_head
+    (the reference takes the logits path)."""
+    packing = option == "packing"
     model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     batch = _rl_batch(model, seed=2)
     algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
     norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
     objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
-    cfg = config(tiny, stage=stage, lr=1e-3, packing=packing)
+    cfg = config(tiny, stage=stage, lr=1e-3, packing=packing, chunked=option == "chunked_lm_head")
     # Reference: one process, one micro-batch, torch AdamW with the same groups and schedule.
     optimizer, scheduler = build_optimizer(model, cfg.optimizer)
     loss, _ = objective(model, dataclasses.replace(batch, packing_samples=packing))

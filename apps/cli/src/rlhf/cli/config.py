@@ -354,6 +354,15 @@ class RLConfig:
                 "and a reward model (--train.reward_model_path)",
             ),
             (self.train.micro_batch_size < 1, "--train.micro_batch_size must be >= 1"),
+            (
+                self.actor.model.chunked_lm_head and self.actor.deepspeed.zero_stage == 3,
+                "--actor.model.chunked_lm_head needs --actor.deepspeed.zero_stage <= 2 (ZeRO-3 "
+                "shards the lm_head weight outside its own forward)",
+            ),
+            (
+                self.critic.model.chunked_lm_head,
+                "--critic.model.chunked_lm_head: the critic has a value head, not an lm_head",
+            ),
         ]
         for bad, message in checks:
             if bad:

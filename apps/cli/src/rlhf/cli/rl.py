@@ -321,7 +321,9 @@ def _eval_only(role: Any, config: RLConfig) -> Any:
     if not config.train.ref_reward_offload:
         return role
     ds = dataclasses.replace(role.deepspeed, zero_stage=3, offload_params=True)
-    return dataclasses.replace(role, deepspeed=ds)
+    # ZeRO-3 shards lm_head outside its forward: the offloaded reference takes the logits path.
+    model = dataclasses.replace(role.model, chunked_lm_head=False)
+    return dataclasses.replace(role, deepspeed=ds, model=model)
 
 
 def _assemble(pairs: list[tuple[list[int], torch.Tensor]], batch: Batch) -> torch.Tensor:
@@ -353,6 +355,7 @@ def _logprob_fn(temperature: float) -> Callable[..., torch.Tensor]:
             b.attention_mask,
             temperature=temperature,
             packing_samples=b.packing_samples,
+            chunked_lm_head=b.chunked_lm_head,
         )[0]
 
     return fn

@@ -28,7 +28,9 @@ from rlhf.learner.cuda_ipc import CudaIpcShare, share_cuda_ipc
 from rlhf.learner.data import DataError, TokenRow, preference_row, sft_row
 from rlhf.learner.forward import (
     Packed,
+    check_chunked_lm_head,
     check_packing,
+    lm_head_parts,
     pack,
     sequence_scores,
     token_logprobs,
@@ -87,6 +89,7 @@ __all__ = [
     "SFTObjective",
     "TokenRow",
     "build_optimizer",
+    "check_chunked_lm_head",
     "check_model_dir",
     "check_packing",
     "collate",
@@ -96,6 +99,7 @@ __all__ = [
     "fingerprint",
     "iter_buckets",
     "latest_checkpoint",
+    "lm_head_parts",
     "load_model",
     "lr_lambda",
     "micro_batches",

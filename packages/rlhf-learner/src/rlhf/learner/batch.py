@@ -29,12 +29,16 @@ class Batch:
             `rlhf.learner.forward` lay the rows end to end in one row (`pack`) and return
             their outputs in this padded layout. Backends set it from
             ``ModelConfig.packing_samples``.
+        chunked_lm_head: `rlhf.learner.forward.token_logprobs` projects hidden states
+            through ``lm_head`` in chunks instead of materialising the logits (from
+            ``ModelConfig.chunked_lm_head``).
     """
 
     input_ids: Tensor
     attention_mask: Tensor
     fields: dict[str, Tensor] = field(default_factory=dict)
     packing_samples: bool = False
+    chunked_lm_head: bool = False
 
     def __getitem__(self, name: str) -> Tensor:
         try:
@@ -60,6 +64,7 @@ class Batch:
             self.attention_mask.to(device),
             {k: v.to(device) for k, v in self.fields.items()},
             self.packing_samples,
+            self.chunked_lm_head,
         )
 
     def select(self, rows: Sequence[int]) -> Batch:
@@ -73,7 +78,11 @@ class Batch:
             for k, v in self.fields.items()
         }
         return Batch(
-            self.input_ids[index][:, :length], mask[:, :length], fields, self.packing_samples
+            self.input_ids[index][:, :length],
+            mask[:, :length],
+            fields,
+            self.packing_samples,
+            self.chunked_lm_head,
         )
 
 

@@ -24,6 +24,11 @@ class ModelConfig:
             end in one row, attention kept within each sequence through position ids
             (`rlhf.learner.forward`); token budgets of micro-batches then count real tokens.
             Checked on a probe when the role is built.
+        chunked_lm_head: Compute action log-probs from the final hidden states and
+            ``lm_head`` chunk by chunk, never holding the (tokens × vocabulary) logits (nor
+            their gradient): less memory for one more ``lm_head`` matmul per chunk in the
+            backward pass. ``causal_lm`` roles with ZeRO stage ≤ 2; checked on a probe when
+            the role is built.
         init_value_head: For ``scalar`` roles loaded from a causal LM (no ``score`` head in the
             checkpoint): initialise the head to zero, so initial values and rewards are 0.
         lora_rank: LoRA rank r; 0 trains the full model. With LoRA only the adapters (and a
@@ -39,6 +44,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
     packing_samples: bool = False
+    chunked_lm_head: bool = False
     init_value_head: bool = True
     lora_rank: int = 0
     lora_alpha: int = 16
@@ -60,6 +66,8 @@ class ModelConfig:
             raise ValueError(f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.lora_rank < 0 or (self.lora_rank and not self.lora_target_modules):
             raise ValueError("model.lora_rank must be >= 0 and needs model.lora_target_modules")
+        if self.chunked_lm_head and self.kind != "causal_lm":
+            raise ValueError("model.chunked_lm_head applies to causal_lm roles only")
 
 
 @dataclass(frozen=True)
@@ -148,3 +156,10 @@ class LearnerConfig:
     optimizer: OptimizerConfig | None = field(default_factory=OptimizerConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     seed: int = 42
+
+    def __post_init__(self) -> None:
+        if self.model.chunked_lm_head and self.deepspeed.zero_stage == 3:
+            raise ValueError(
+                "model.chunked_lm_head needs deepspeed.zero_stage <= 2 (under ZeRO-3 the "
+                "lm_head weight is sharded outside its own forward)"
+            )

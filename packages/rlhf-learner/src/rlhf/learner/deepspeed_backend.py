@@ -34,7 +34,7 @@ from rlhf.learner import checkpoint as ckpt
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
-from rlhf.learner.forward import check_packing
+from rlhf.learner.forward import check_chunked_lm_head, check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 
@@ -135,6 +135,8 @@ class DeepSpeedBackend:
         self._module.eval()
         if config.model.packing_samples:
             check_packing(self._runner(), device=self.device, flag="model.packing_samples")
+        if config.model.chunked_lm_head:
+            check_chunked_lm_head(self._runner(), device=self.device, flag="model.chunked_lm_head")
         self._ema: dict[str, Tensor] | None = None
         if config.optimizer is not None and config.optimizer.ema_decay is not None:
             self._ema = {n: _local(p).detach().float().clone() for n, p in self._trainable()}
@@ -152,8 +154,11 @@ class DeepSpeedBackend:
 
     def _placed(self, batch: Batch) -> Batch:
         """``batch`` on this rank's device, run padding-free when the model config says so."""
+        model = self.config.model
         return dataclasses.replace(
-            batch.to(self.device), packing_samples=self.config.model.packing_samples
+            batch.to(self.device),
+            packing_samples=model.packing_samples,
+            chunked_lm_head=model.chunked_lm_head,
         )
 
     def _passes(self, count: int) -> int:

@@ -10,6 +10,11 @@ block-causal mask for ``sdpa``/``eager``, variable-length kernels for ``flash_at
 and the outputs are scattered back into the padded (B, L) layout, so objectives and loss
 aggregation see the same per-sequence rows either way. `check_packing` verifies on a probe that
 a model really keeps packed sequences apart.
+
+With ``chunked_lm_head`` `token_logprobs` runs the model's body only and projects its hidden
+states through ``lm_head`` chunk by chunk inside `rlhf.algos.linear_logprobs_and_entropy`, so
+the (tokens × vocabulary) logits never exist at once, in the forward or the backward pass.
+`check_chunked_lm_head` verifies on a probe that the model's logits are that plain projection.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlhf.algos import logprobs_and_entropy
+from rlhf.algos import linear_logprobs_and_entropy, logprobs_and_entropy
 
 
 def _shift_right(x: Tensor) -> Tensor:
@@ -81,8 +86,12 @@ def pack(input_ids: Tensor, attention_mask: Tensor) -> Packed:
     )
 
 
+def _logits(model: torch.nn.Module) -> Callable[..., Tensor]:
+    return lambda **inputs: model(**inputs, use_cache=False).logits
+
+
 def _outputs(
-    model: torch.nn.Module,
+    run: Callable[..., Tensor],
     input_ids: Tensor,
     attention_mask: Tensor,
     packing_samples: bool,
@@ -90,23 +99,40 @@ def _outputs(
     *,
     shifted: bool,
 ) -> tuple[Tensor | None, ...]:
-    """``head(model output, input_ids)`` → per-token tensors, in the padded layout.
+    """``head(run(inputs), input_ids)`` → per-token tensors, in the padded layout.
 
-    ``head`` maps the model's ``logits`` (b, n, ...) and the ids it saw (b, n) to tensors of
-    shape (b, n) (None passes through); with packing b = 1 and n = N and the results are
+    ``run`` maps model inputs to the model's output tensor (b, n, ...) — logits, or hidden
+    states for a chunked head; ``head`` maps it and the ids the model saw (b, n) to tensors
+    of shape (b, n) (None passes through). With packing b = 1 and n = N and the results are
     unpacked.
     """
     if not packing_samples:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return head(logits, input_ids)
+        return head(run(input_ids=input_ids, attention_mask=attention_mask), input_ids)
     packed = pack(input_ids, attention_mask)
-    logits = model(
-        input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
-    ).logits
+    out = run(input_ids=packed.input_ids, position_ids=packed.position_ids)
     return tuple(
-        None if out is None else packed.unpack(out, shifted=shifted)
-        for out in head(logits, packed.input_ids)
+        None if x is None else packed.unpack(x, shifted=shifted)
+        for x in head(out, packed.input_ids)
     )
+
+
+def lm_head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear]:
+    """(body, lm_head) of a transformers causal LM, also behind a DeepSpeed engine or PEFT.
+
+    Raises:
+        ValueError: the model has no plain ``nn.Linear`` output projection (e.g. a LoRA-wrapped
+            head, whose weight alone is not the projection).
+    """
+    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the module
+    if hasattr(inner, "get_base_model"):  # PEFT
+        inner = inner.get_base_model()
+    head = inner.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(
+            f"model.chunked_lm_head needs a plain nn.Linear lm_head; this model's is "
+            f"{type(head).__name__}"
+        )
+    return inner.get_decoder(), head
 
 
 def token_logprobs(
@@ -117,6 +143,7 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     packing_samples: bool = False,
+    chunked_lm_head: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of every token given its prefix, on temperature-scaled logits.
 
@@ -127,18 +154,42 @@ def token_logprobs(
         temperature: The sampler's temperature (log-probs must match what it sampled from).
         with_entropy: Also return the entropy of each position's distribution.
         packing_samples: Run the rows padding-free (see the module docstring).
+        chunked_lm_head: Never materialise the logits (see the module docstring).
 
     Returns:
         (B, L) float32 log-probs and (B, L) entropies or None; column 0 is 0.
     """
+    if chunked_lm_head:
+        body, lm_head = lm_head_parts(model)
 
-    def head(logits: Tensor, ids: Tensor) -> tuple[Tensor | None, ...]:
-        lp, ent = logprobs_and_entropy(
-            logits[:, :-1], ids[:, 1:], temperature=temperature, with_entropy=with_entropy
-        )
-        return _shift_right(lp.float()), (_shift_right(ent.float()) if ent is not None else None)
+        def run(**inputs: Tensor) -> Tensor:
+            return body(**inputs, use_cache=False).last_hidden_state
 
-    lp, ent = _outputs(model, input_ids, attention_mask, packing_samples, head, shifted=True)
+        def head(hidden: Tensor, ids: Tensor) -> tuple[Tensor | None, ...]:
+            lp, ent = linear_logprobs_and_entropy(
+                hidden[:, :-1],
+                lm_head.weight,
+                ids[:, 1:],
+                bias=lm_head.bias,
+                temperature=temperature,
+                with_entropy=with_entropy,
+            )
+            return _shift_right(lp.float()), (
+                _shift_right(ent.float()) if ent is not None else None
+            )
+
+    else:
+        run = _logits(model)
+
+        def head(logits: Tensor, ids: Tensor) -> tuple[Tensor | None, ...]:
+            lp, ent = logprobs_and_entropy(
+                logits[:, :-1], ids[:, 1:], temperature=temperature, with_entropy=with_entropy
+            )
+            return _shift_right(lp.float()), (
+                _shift_right(ent.float()) if ent is not None else None
+            )
+
+    lp, ent = _outputs(run, input_ids, attention_mask, packing_samples, head, shifted=True)
     assert lp is not None
     return lp, ent
 
@@ -156,7 +207,7 @@ def token_values(
         (B, L) float32; column 0 is 0.
     """
     (values,) = _outputs(
-        model,
+        _logits(model),
         input_ids,
         attention_mask,
         packing_samples,
@@ -180,7 +231,7 @@ def sequence_scores(
         (B,) float32.
     """
     (out,) = _outputs(
-        model,
+        _logits(model),
         input_ids,
         attention_mask,
         packing_samples,
@@ -190,6 +241,50 @@ def sequence_scores(
     assert out is not None
     last = attention_mask.long().sum(dim=1).clamp(min=1) - 1
     return out.gather(1, last[:, None])[:, 0]
+
+
+def _probe(device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """Two sequences of 5 and 3 tokens (ids below 9: inside any vocabulary), right-padded."""
+    ids = torch.zeros((2, 5), dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    ids[0], mask[0] = torch.arange(5, device=device), 1
+    ids[1, :3], mask[1, :3] = torch.tensor([1, 8, 3], device=device), 1
+    return ids, mask
+
+
+def _tolerance(reference: Tensor) -> float:
+    """What rounding alone may move ``reference`` by: bf16/fp16 round differently in two
+    layouts; a real difference (a leak across sequences, a missing logit transform) moves
+    outputs by O(1)."""
+    scale = float(reference.float().abs().max()) + 1.0
+    return (2e-2 if reference.dtype in (torch.bfloat16, torch.float16) else 1e-4) * scale
+
+
+def check_chunked_lm_head(model: torch.nn.Module, *, device: torch.device | str, flag: str) -> None:
+    """Raise when projecting ``model``'s hidden states through its ``lm_head`` does not give
+    its log-probs (a model that scales or soft-caps its logits, say).
+
+    Args:
+        model: The role's model (or its engine), in eval mode; every rank calls this.
+        device: Where the probe runs.
+        flag: The option that turned the chunked head on, for the message.
+    """
+    ids, mask = _probe(device)
+    with torch.no_grad():
+        try:
+            chunked, _ = token_logprobs(model, ids, mask, chunked_lm_head=True)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}; turn {flag} off") from exc
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        plain, _ = token_logprobs(model, ids, mask)
+    gap = float((chunked - plain).abs().max())
+    tolerance = _tolerance(logits)
+    if not gap <= tolerance:
+        raise ValueError(
+            f"{flag}: this model's logits are not its lm_head's projection of the final "
+            f"hidden states (a probe's log-probs moved by {gap:.3g}, tolerance "
+            f"{tolerance:.3g}); turn {flag} off"
+        )
 
 
 def check_packing(model: torch.nn.Module, *, device: torch.device | str, flag: str) -> None:
@@ -204,22 +299,15 @@ def check_packing(model: torch.nn.Module, *, device: torch.device | str, flag: s
         device: Where the probe runs.
         flag: The option that turned packing on, for the message.
     """
-    first = torch.arange(5, device=device)  # ids below 9: inside any vocabulary
-    second = torch.tensor([1, 8, 3], device=device)
-    ids = torch.zeros((2, 5), dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    ids[0], mask[0] = first, 1
-    ids[1, :3], mask[1, :3] = second, 1
+    ids, mask = _probe(device)
     with torch.no_grad():
         packed = pack(ids, mask)
         together = model(
             input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
         ).logits[0, 5:]
-        alone = model(input_ids=second[None], use_cache=False).logits[0]
-    scale = float(alone.float().abs().max()) + 1.0
+        alone = model(input_ids=ids[1:, :3], use_cache=False).logits[0]
     gap = float((together.float() - alone.float()).abs().max())
-    # bf16 rounds differently in the two layouts; a leak across sequences moves outputs by O(1).
-    tolerance = (2e-2 if alone.dtype in (torch.bfloat16, torch.float16) else 1e-4) * scale
+    tolerance = _tolerance(alone)
     if not gap <= tolerance:
         raise ValueError(
             f"{flag}: this model's attention does not keep packed sequences apart (a probe's "

@@ -72,6 +72,7 @@ class PPOActorObjective:
             temperature=self.temperature,
             with_entropy=want_entropy or self.entropy_metric,
             packing_samples=batch.packing_samples,
+            chunked_lm_head=batch.chunked_lm_head,
         )
         mask = batch["action_mask"]
         # On-policy with one optimizer step per rollout, π_old is the policy itself: the
@@ -168,7 +169,11 @@ class SFTObjective:
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         logprobs, _ = token_logprobs(
-            model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            packing_samples=batch.packing_samples,
+            chunked_lm_head=batch.chunked_lm_head,
         )
         return sft_loss(logprobs=logprobs, loss_mask=batch["loss_mask"], normalizer=self.normalizer)
 
@@ -212,7 +217,11 @@ class RewardModelObjective:
 def sequence_logps(model: torch.nn.Module, batch: Batch) -> Tensor:
     """Σ over ``loss_mask`` of the token log-probs: (B,) (DPO's log π(y|x))."""
     logprobs, _ = token_logprobs(
-        model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        packing_samples=batch.packing_samples,
+        chunked_lm_head=batch.chunked_lm_head,
     )
     mask = batch["loss_mask"]
     return torch.where(mask > 0, logprobs, torch.zeros_like(logprobs)).sum(dim=1)

@@ -153,7 +153,8 @@ class DeepSpeedBackend:
         return self.engine if self.engine is not None else self._module
 
     def _placed(self, batch: Batch) -> Batch:
-        """``batch`` on this rank's device, run padding-free when the model config says so."""
+        """``batch`` on this rank's device, carrying the model config's forward options
+        (padding-free packing, chunked lm_head) to the objectives' forward functions."""
         model = self.config.model
         return dataclasses.replace(
             batch.to(self.device),

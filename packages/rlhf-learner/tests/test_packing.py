@@ -49,6 +49,13 @@ def test_an_empty_row_packs_to_nothing_and_unpacks_to_zeros() -> None:
     assert out.tolist() == [[0, 2], [0, 0], [0, 0]]
 
 
+def test_a_batch_without_real_tokens_runs_unpacked(lm) -> None:
+    """Nothing to pack (every row empty): the forward still runs, on the padded rows."""
+    ids, mask = torch.zeros((2, 3), dtype=torch.long), torch.zeros((2, 3), dtype=torch.long)
+    lp, _ = token_logprobs(lm, ids, mask, packing_samples=True)
+    torch.testing.assert_close(lp, token_logprobs(lm, ids, mask)[0], rtol=0, atol=0)
+
+
 def test_packed_token_budgets_count_real_tokens() -> None:
     batch = collate([[1] * 3, [1] * 1, [1] * 4, [1] * 2], pad_token_id=0)
     # Padded: 3·2 = 6 fits, 4·3 = 12 and 4·2 = 8 do not. Packed: 3 + 1, then 4 + 2.

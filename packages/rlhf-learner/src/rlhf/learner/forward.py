@@ -109,6 +109,8 @@ def _outputs(
     if not packing_samples:
         return head(run(input_ids=input_ids, attention_mask=attention_mask), input_ids)
     packed = pack(input_ids, attention_mask)
+    if packed.input_ids.shape[1] == 0:  # no real token anywhere: nothing to pack
+        return head(run(input_ids=input_ids, attention_mask=attention_mask), input_ids)
     out = run(input_ids=packed.input_ids, position_ids=packed.position_ids)
     return tuple(
         None if x is None else packed.unpack(x, shifted=shifted)

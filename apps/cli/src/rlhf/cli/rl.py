@@ -67,11 +67,11 @@ from rlhf.learner import (
     CriticObjective,
     LearnerConfig,
     PPOActorObjective,
+    batch_logprobs,
     collate,
     iter_buckets,
     latest_checkpoint,
     sequence_scores,
-    token_logprobs,
     token_values,
 )
 
@@ -349,14 +349,7 @@ def _forward(group: Any, batch: Batch, fn: Callable[..., Any], config: RLConfig)
 
 def _logprob_fn(temperature: float) -> Callable[..., torch.Tensor]:
     def fn(model: Any, b: Batch) -> torch.Tensor:
-        return token_logprobs(
-            model,
-            b.input_ids,
-            b.attention_mask,
-            temperature=temperature,
-            packing_samples=b.packing_samples,
-            chunked_lm_head=b.chunked_lm_head,
-        )[0]
+        return batch_logprobs(model, b, temperature=temperature)[0]
 
     return fn
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from rlhf.algos import _checks
-from rlhf.algos.logprobs import _compute_dtype, _rows_per_chunk, chunk_kernels
+from rlhf.algos.logprobs import _compute_dtype, _rows_per_chunk, chunk_kernels, flat_labels
 
 
 def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -146,21 +146,8 @@ def linear_logprobs_and_entropy(
         raise ValueError(f"hidden ({h.dtype}) and weight ({w.dtype}) must share a dtype")
     if bias is not None and tuple(bias.shape) != (w.shape[0],):
         raise ValueError(f"bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
-    y = _checks.tensor("labels", labels)
-    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise ValueError(f"labels must be an integer tensor, got dtype {y.dtype}")
-    if y.shape != h.shape[:-1]:
-        raise ValueError(
-            f"labels has shape {tuple(y.shape)} but must equal hidden.shape[:-1] = "
-            f"{tuple(h.shape[:-1])}"
-        )
-    flat_y = y.reshape(-1).to(torch.int64)
     vocab = w.shape[0]
-    if flat_y.numel() and (int(flat_y.min()) < 0 or int(flat_y.max()) >= vocab):
-        raise ValueError(
-            f"labels must lie in [0, V={vocab}), got values in "
-            f"[{int(flat_y.min())}, {int(flat_y.max())}]"
-        )
+    flat_y = flat_labels(labels, like=h, like_name="hidden", vocab=vocab)
     flat_h = h.reshape(-1, h.shape[-1])
     rows = _rows_per_chunk(vocab, chunk_elements, flat_h.device)
     lp, ent = _ChunkedLinearLogprobsEntropy.apply(flat_h, w, bias, flat_y, tau, rows, with_entropy)

@@ -221,22 +221,28 @@ def _flatten(logits: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor | No
     flat = z.reshape(-1, z.shape[-1])
     if labels is None:
         return flat, None
+    return flat, flat_labels(labels, like=z, like_name="logits", vocab=z.shape[-1])
+
+
+def flat_labels(labels: Tensor, *, like: Tensor, like_name: str, vocab: int) -> Tensor:
+    """``labels`` checked (integer, shape ``like.shape[:-1]``, ids in [0, vocab)) and
+    flattened to int64 (N,)."""
     y = _checks.tensor("labels", labels)
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ValueError(f"labels must be an integer tensor, got dtype {y.dtype}")
-    if y.shape != z.shape[:-1]:
+    if y.shape != like.shape[:-1]:
         raise ValueError(
-            f"labels has shape {tuple(y.shape)} but must equal logits.shape[:-1] = "
-            f"{tuple(z.shape[:-1])}"
+            f"labels has shape {tuple(y.shape)} but must equal {like_name}.shape[:-1] = "
+            f"{tuple(like.shape[:-1])}"
         )
     flat_y = y.reshape(-1).to(torch.int64)
-    if flat_y.numel() and (int(flat_y.min()) < 0 or int(flat_y.max()) >= z.shape[-1]):
+    if flat_y.numel() and (int(flat_y.min()) < 0 or int(flat_y.max()) >= vocab):
         raise ValueError(
-            f"labels must lie in [0, V={z.shape[-1]}), got values in "
+            f"labels must lie in [0, V={vocab}), got values in "
             f"[{int(flat_y.min())}, {int(flat_y.max())}]; replace ignore indices (e.g. -100) by "
             "a valid id and mask those positions instead"
         )
-    return flat, flat_y
+    return flat_y
 
 
 def _rows_per_chunk(vocab: int, chunk_elements: int | None, device: torch.device) -> int:

@@ -28,6 +28,7 @@ from rlhf.learner.cuda_ipc import CudaIpcShare, share_cuda_ipc
 from rlhf.learner.data import DataError, TokenRow, preference_row, sft_row
 from rlhf.learner.forward import (
     Packed,
+    batch_logprobs,
     check_chunked_lm_head,
     check_packing,
     lm_head_parts,
@@ -88,6 +89,7 @@ __all__ = [
     "RewardModelObjective",
     "SFTObjective",
     "TokenRow",
+    "batch_logprobs",
     "build_optimizer",
     "check_chunked_lm_head",
     "check_model_dir",

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from rlhf.algos import linear_logprobs_and_entropy, logprobs_and_entropy
+from rlhf.learner.batch import Batch
 
 
 def _shift_right(x: Tensor) -> Tensor:
@@ -194,6 +195,26 @@ def token_logprobs(
     lp, ent = _outputs(run, input_ids, attention_mask, packing_samples, head, shifted=True)
     assert lp is not None
     return lp, ent
+
+
+def batch_logprobs(
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs` of a `Batch`, run with the forward options it carries
+    (``packing_samples``, ``chunked_lm_head``)."""
+    return token_logprobs(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        packing_samples=batch.packing_samples,
+        chunked_lm_head=batch.chunked_lm_head,
+    )
 
 
 def token_values(

@@ -33,7 +33,7 @@ from rlhf.algos import (
     sft_loss,
 )
 from rlhf.learner.batch import Batch
-from rlhf.learner.forward import sequence_scores, token_logprobs, token_values
+from rlhf.learner.forward import batch_logprobs, sequence_scores, token_values
 
 Metrics = dict[str, Tensor]
 
@@ -65,14 +65,11 @@ class PPOActorObjective:
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         algo = self.algo
         want_entropy = algo.entropy_coef > 0
-        logprobs, entropy = token_logprobs(
+        logprobs, entropy = batch_logprobs(
             model,
-            batch.input_ids,
-            batch.attention_mask,
+            batch,
             temperature=self.temperature,
             with_entropy=want_entropy or self.entropy_metric,
-            packing_samples=batch.packing_samples,
-            chunked_lm_head=batch.chunked_lm_head,
         )
         mask = batch["action_mask"]
         # On-policy with one optimizer step per rollout, π_old is the policy itself: the
@@ -168,13 +165,7 @@ class SFTObjective:
     normalizer: float
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
-        logprobs, _ = token_logprobs(
-            model,
-            batch.input_ids,
-            batch.attention_mask,
-            packing_samples=batch.packing_samples,
-            chunked_lm_head=batch.chunked_lm_head,
-        )
+        logprobs, _ = batch_logprobs(model, batch)
         return sft_loss(logprobs=logprobs, loss_mask=batch["loss_mask"], normalizer=self.normalizer)
 
 
@@ -216,13 +207,7 @@ class RewardModelObjective:
 
 def sequence_logps(model: torch.nn.Module, batch: Batch) -> Tensor:
     """Σ over ``loss_mask`` of the token log-probs: (B,) (DPO's log π(y|x))."""
-    logprobs, _ = token_logprobs(
-        model,
-        batch.input_ids,
-        batch.attention_mask,
-        packing_samples=batch.packing_samples,
-        chunked_lm_head=batch.chunked_lm_head,
-    )
+    logprobs, _ = batch_logprobs(model, batch)
     mask = batch["loss_mask"]
     return torch.where(mask > 0, logprobs, torch.zeros_like(logprobs)).sum(dim=1)
 

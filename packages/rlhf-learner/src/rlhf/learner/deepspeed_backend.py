@@ -231,6 +231,61 @@ class DeepSpeedBackend:
                     out.append(_to_cpu(result))
         return out
 
+    # -- hybrid placement: states off the GPU while colocated engines generate ----------
+    def offload_states(self, *, weights: bool = True) -> dict[str, float]:
+        """Move this rank's optimizer states, fp32 master weights and gradient partitions
+        (with ``weights`` also the bf16/fp32 model weights) to host memory (pinned on CUDA),
+        so colocated vLLM engines can use the GPU; `reload_states` brings them back before
+        the next forward. On a CPU rank the states stay where they are while DeepSpeed
+        re-links its buffers as on a GPU. Idempotent per state.
+
+        Returns:
+            ``allocated_gib_before`` / ``allocated_gib_after``: this process's CUDA
+            allocations (0 on CPU).
+        """
+        from deepspeed.runtime.zero.offload_config import (
+            OffloadDeviceEnum,
+            OffloadStateTypeEnum,
+        )
+
+        engine = self._offloadable()
+        include = [
+            s for s in OffloadStateTypeEnum if weights or s != OffloadStateTypeEnum.lp_params
+        ]
+        before = _allocated_gib(self.device)
+        engine.offload_states(
+            include=include,
+            device=OffloadDeviceEnum.cpu,
+            pin_memory=self.device.type == "cuda",
+        )
+        return {"allocated_gib_before": before, "allocated_gib_after": _allocated_gib(self.device)}
+
+    def reload_states(self) -> dict[str, float]:
+        """Undo `offload_states` (every state it moved); same return value."""
+        engine = self._offloadable()
+        before = _allocated_gib(self.device)
+        engine.reload_states()
+        return {"allocated_gib_before": before, "allocated_gib_after": _allocated_gib(self.device)}
+
+    def offloaded_states(self) -> list[str]:
+        """Names of the states now off the device (DeepSpeed's ``OffloadStateTypeEnum``)."""
+        return sorted(s.value for s in self._offloadable().optimizer.offloaded_states)
+
+    def _offloadable(self) -> Any:
+        ds = self.config.deepspeed
+        if self.engine is None or self.config.optimizer is None:
+            raise RuntimeError(
+                "offload_states needs a training role (an optimizer); an eval-only role keeps "
+                "its weights or offloads them with deepspeed.offload_params under ZeRO-3"
+            )
+        if ds.zero_stage not in (1, 2):
+            raise RuntimeError(
+                f"offload_states needs deepspeed.zero_stage 1 or 2 (got {ds.zero_stage}): "
+                "DeepSpeed moves ZeRO-1/2 partitions with any torch optimizer, while its "
+                "ZeRO-3 offload needs its compiled FusedAdam and ZeRO-0 has no partitions"
+            )
+        return self.engine
+
     # -- checkpoints and export ----------------------------------------------------------
     def fingerprint(self) -> dict[str, list[int]]:
         """Parameter names → full shapes."""
@@ -365,6 +420,10 @@ def _release(param: torch.nn.Parameter) -> None:
     """Drop a ZeRO-3 parameter's gathered copy, so the next gather reads its shard."""
     if getattr(param, "ds_tensor", None) is not None and param.data.numel():
         param.partition()
+
+
+def _allocated_gib(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
 def _to_cpu(value: Any) -> Any:

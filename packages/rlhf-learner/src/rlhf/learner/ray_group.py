@@ -71,6 +71,12 @@ class RankWorker:
     def export_hf(self, directory: str, ema: bool = False) -> None:
         self.backend.export_hf(directory, ema=ema)
 
+    def offload_states(self, weights: bool) -> dict[str, float]:
+        return self.backend.offload_states(weights=weights)
+
+    def reload_states(self) -> dict[str, float]:
+        return self.backend.reload_states()
+
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(backend, *args)`` in this rank's process."""
         return fn(self.backend, *args)
@@ -241,6 +247,17 @@ class LearnerGroup:
     def export_hf(self, directory: str, *, ema: bool = False) -> None:
         """A transformers checkpoint of the role's model (or its EMA) at ``directory``."""
         self._all("export_hf", directory, ema)
+
+    def offload_states(self, *, weights: bool = True) -> list[dict[str, float]]:
+        """Every rank's optimizer states, master weights and gradient partitions (and with
+        ``weights`` its model weights) to host memory, e.g. while colocated engines
+        generate (`DeepSpeedBackend.offload_states`); per rank, its CUDA allocations before
+        and after."""
+        return self._all("offload_states", weights)
+
+    def reload_states(self) -> list[dict[str, float]]:
+        """Undo `offload_states` on every rank."""
+        return self._all("reload_states")
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(backend, *args)`` on every rank."""

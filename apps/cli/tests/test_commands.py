@@ -150,6 +150,10 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
             "--actor.model.chunked_lm_head needs --actor.deepspeed.zero_stage <= 2",
         ),
         (
+            ["--MODEL", "--train.colocate_all", "True", "--actor.deepspeed.zero_stage", "3"],
+            "set --actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1 or 2",
+        ),
+        (
             ["--MODEL", "--data.prompt_data", "/no/such.jsonl"],
             "data source '/no/such.jsonl' does not exist",
         ),

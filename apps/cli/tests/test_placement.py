@@ -45,9 +45,14 @@ def test_a_hybrid_run_puts_every_role_in_one_placement_group(assets, tmp_path) -
         "--critic.num_cpus_per_rank", "0.5",
         "--train.colocate_all", "True",
         "--train.ref_reward_offload", "True",
+        "--ckpt.save_steps", "1",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert "colocation: bundles all: actor0+critic0+engines0+ref0" in out.stdout
+    # On CPU the engines keep their memory; the actor's and critic's DeepSpeed states go
+    # through the offload/reload round trip every step (a checkpoint in between).
+    assert "engines keep their memory" in out.stdout
+    assert "their weights too while the engines generate" in out.stdout
     assert "parameters offloaded to CPU" in out.stdout
     placement = json.loads((tmp_path / "placement.json").read_text())
     assert sorted(placement) == ["actor", "critic", "engines", "ref"]
@@ -57,6 +62,13 @@ def test_a_hybrid_run_puts_every_role_in_one_placement_group(assets, tmp_path) -
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    for row in steps:
+        assert {"time/hybrid_training_s", "time/hybrid_sync_s", "time/hybrid_generation_s"} <= set(
+            row
+        ), sorted(row)
+        # The sync after a reload/offload round trip still loads exactly the trained weights.
+        assert row["actor/rollout_logprob_diff_max"] < 1e-2, row
+    assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 2
     # The offloaded ZeRO-3 reference holds the actor's initial weights: same log-probs.
     assert steps[0]["check/step0_policy_ref_logprob_gap_max"] < 1e-4
 

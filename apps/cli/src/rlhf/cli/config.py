@@ -82,6 +82,10 @@ class VllmConfig:
         cpu_kv_cache_gib: KV cache per engine on CPU.
         verify_sync: Read the weights back after every sync and compare checksums.
         num_cpus: CPUs each engine actor reserves in Ray.
+        enable_sleep: Under ``--train.colocate_all`` on GPUs, the engines sleep while the
+            learners work (vLLM sleep mode, level 1: weights to host memory, KV cache freed)
+            and wake for the sync and generation (OpenRLHF's ``--vllm_enable_sleep``). On
+            CPUs vLLM has no sleep mode and the engines keep their memory.
     """
 
     num_engines: int = 1
@@ -94,6 +98,7 @@ class VllmConfig:
     cpu_kv_cache_gib: int = 1
     verify_sync: bool = True
     num_cpus: float = 1.0
+    enable_sleep: bool = True
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,10 @@ class TrainConfig:
         colocate_all: Hybrid placement: bundle ``i`` holds actor rank ``i``, critic rank ``i``
             and engine ``i`` (reference and reward model in bundle 0), so generation and
             training take turns on the same resources (`rlhf.cli.placement`).
+        deepspeed_enable_sleep: Under ``--train.colocate_all``, the actor's and critic's
+            optimizer states, fp32 master weights and gradient partitions leave the device
+            for the weight sync, and their model weights too while the engines generate
+            (`rlhf.cli.hybrid`; OpenRLHF's ``--deepspeed_enable_sleep``). Needs ZeRO-1/2.
         ref_reward_offload: Build the reference and the reward model with ZeRO-3 and their
             parameters offloaded to the CPU between uses (OpenRLHF's ``--ref_reward_offload``).
         use_tensorboard: Also write the metrics as TensorBoard events into this directory
@@ -182,6 +191,7 @@ class TrainConfig:
     colocate_actor_ref: bool = False
     colocate_critic_reward: bool = False
     colocate_all: bool = False
+    deepspeed_enable_sleep: bool = True
     ref_reward_offload: bool = False
     use_tensorboard: str = ""
     use_wandb: bool = False
@@ -344,6 +354,14 @@ class RLConfig:
                 "--critic.num_ranks equal to --actor.num_ranks",
             ),
             (
+                self.offloads_learners
+                and any(role.deepspeed.zero_stage not in (1, 2) for role in self.trained_roles),
+                "--train.colocate_all offloads the learners' states between phases "
+                "(--train.deepspeed_enable_sleep), which DeepSpeed does for ZeRO-1/2: set "
+                "--actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1 or 2, "
+                "or --train.deepspeed_enable_sleep False",
+            ),
+            (
                 self.train.colocate_actor_ref and not self.uses_reference,
                 "--train.colocate_actor_ref needs a reference model (--algo.kl.init_coef > 0)",
             ),
@@ -368,6 +386,16 @@ class RLConfig:
             if bad:
                 raise ConfigError(message)
         return self
+
+    @property
+    def trained_roles(self) -> tuple[RoleConfig, ...]:
+        """The roles with an optimizer: the actor, and the critic when one is used."""
+        return (self.actor, self.critic) if self.uses_critic else (self.actor,)
+
+    @property
+    def offloads_learners(self) -> bool:
+        """Hybrid placement moves the actor's (and critic's) states between phases."""
+        return self.train.colocate_all and self.train.deepspeed_enable_sleep
 
     @property
     def _group_estimator(self) -> bool:

@@ -15,7 +15,9 @@ One step (synchronous: generation and training alternate):
    (``vllm.verify_sync``) verifies them.
 
 ``--train.async_enable`` overlaps generation of later batches with training through a bounded
-queue (`rlhf.cli.schedule`). Every step appends a line to ``run_dir/metrics.jsonl``.
+queue (`rlhf.cli.schedule`); ``--train.colocate_all`` makes the engines and learners take turns
+on the same devices (`rlhf.cli.hybrid`: engines asleep while training, learner states off the
+device while generating). Every step appends a line to ``run_dir/metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from rlhf.algos import (
 )
 from rlhf.cli.config import ConfigError, RLConfig
 from rlhf.cli.data import PromptSampler, load_prompts
+from rlhf.cli.hybrid import TurnTaking
 from rlhf.cli.metrics import (
     MetricsLog,
     MetricsSink,
@@ -111,7 +114,7 @@ def _reward_scorer(config: RLConfig) -> Any:
     return FunctionReward.from_file(train.reward_func)
 
 
-def _engine_config(config: RLConfig) -> Any:
+def _engine_config(config: RLConfig, *, sleep: bool = False) -> Any:
     from rlhf.rollout import EngineConfig
 
     v = config.vllm
@@ -126,6 +129,7 @@ def _engine_config(config: RLConfig) -> Any:
         gpu_memory_utilization=v.gpu_memory_utilization,
         cpu_kv_cache_gib=v.cpu_kv_cache_gib,
         max_num_seqs=v.max_num_seqs,
+        enable_sleep_mode=sleep,
     )
 
 
@@ -165,12 +169,7 @@ def plan(config: RLConfig) -> list[str]:
             else ""
         )
         + (f"; critic {config.critic.num_ranks} rank(s)" if config.uses_critic else ""),
-        describe(plan_bundles(config))
-        + (
-            " (the engines keep their memory while training: vLLM sleep/wake needs a GPU)"
-            if t.colocate_all
-            else ""
-        ),
+        describe(plan_bundles(config)),
         _mode(t),
     ]
     return lines
@@ -200,6 +199,7 @@ class _Roles:
     critic: Any | None
     reward_model: Any | None = None
     placement: Placement | None = None
+    turns: TurnTaking | None = None
 
     def learner_groups(self) -> dict[str, Any]:
         groups = {
@@ -253,15 +253,10 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(config.vllm.cpu_kv_cache_gib)}},
         )
     gpu = bool(ray.cluster_resources().get("GPU"))
-    if gpu and config.train.colocate_all:
-        raise ConfigError(
-            "--train.colocate_all on GPUs needs the engines to sleep while training (vLLM "
-            "sleep/wake in the driver), which is not built yet; colocate the learners only "
-            "(--train.colocate_actor_ref, --train.colocate_critic_reward)"
-        )
+    sleep = gpu and config.train.colocate_all and config.vllm.enable_sleep
     placement = place(config, gpu=gpu)
     engines = spawn_engines(
-        _engine_config(config),
+        _engine_config(config, sleep=sleep),
         config.vllm.num_engines,
         num_cpus=config.vllm.num_cpus,
         num_gpus=placement.gpus.get(
@@ -311,7 +306,15 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
         )
         reward_model = group(scorer, "reward_model")
         reward_model.build(_learner(scorer, seed=seed, total_steps=1, train=False))
-    return _Roles(engines, pool, actor, ref, critic, reward_model, placement)
+    turns = None
+    if config.train.colocate_all:
+        turns = TurnTaking(
+            engines=engines,
+            learners=[g for g in (actor, critic) if g is not None],
+            sleep_engines=sleep,
+            offload_learners=config.offloads_learners,
+        )
+    return _Roles(engines, pool, actor, ref, critic, reward_model, placement, turns)
 
 
 def _eval_only(role: Any, config: RLConfig) -> Any:
@@ -444,6 +447,8 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
     r = config.rollout
     total_opt_steps = config.train.num_steps * config.optimizer_steps_per_rollout
     roles = _start(config, total_opt_steps)
+    if roles.turns is not None:
+        echo(f"[plan] {roles.turns.describe()}")
     kl_ctl = make_kl_controller(config.algo.kl)
 
     agents: dict[float, Any] = {}
@@ -486,6 +491,7 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
         start, queue = driver.resume() if config.ckpt.load_enable else (0, [])
         driver.progress = Progress(total=config.train.num_steps, start=start)
         asyncio.run(driver.run(start, queue))
+        driver.enter("training", record=False)  # the learners' states back on the device
         if config.ckpt.export_hf:
             roles.actor.export_hf(str(run_dir / "final"))
             _copy_tokenizer(tokenizer, run_dir / "final")
@@ -513,6 +519,15 @@ class _Driver:
     last: dict[str, Any] = dataclasses.field(default_factory=dict)
     evaluations: list[dict[str, float]] = dataclasses.field(default_factory=list)
     trained_sampler_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    hybrid_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def enter(self, phase: str, *, record: bool = True) -> None:
+        """Hybrid placement: move engines and learners to ``phase`` (`rlhf.cli.hybrid`);
+        with ``record``, its metrics join the step's."""
+        if self.roles.turns is not None:
+            metrics = self.roles.turns.enter(phase)
+            if record:
+                self.hybrid_metrics.update(metrics)
 
     def resume(self) -> tuple[int, list[Rollout]]:
         """Restore the newest checkpoint, if any: the step to start at and the rollouts it
@@ -536,6 +551,7 @@ class _Driver:
 
     async def run(self, start: int, queue: list[Rollout]) -> None:
         c = self.config
+        self.enter("generation")
         if self.eval_prompts and c.eval.steps and start == 0:
             await self.evaluate(0)
         if c.train.async_enable:
@@ -556,16 +572,19 @@ class _Driver:
 
     def learn(self, rollout: Rollout) -> dict[str, Any]:
         self.trained_sampler_state = rollout.sampler_state
+        self.enter("training")
         return _learn(rollout.step, rollout, self.config, self.roles, self.kl_ctl)
 
     def sync(self, version: int, *, pause: bool) -> dict[str, Any]:
         engines = self.roles.engines
         paused = sum(int(e.call("pause")) for e in engines) if pause else 0
+        self.enter("sync")
         try:
             _sync(self.roles, self.config, version=version)
         finally:
             for e in engines if pause else ():
                 e.call("resume")
+        self.enter("generation")
         return {"rollout/requests_paused_for_sync": float(paused)} if pause else {}
 
     def saves_at(self, step: int) -> bool:
@@ -580,6 +599,8 @@ class _Driver:
 
     async def finish(self, step: int, metrics: dict[str, Any], queue: list[Rollout]) -> None:
         c = self.config
+        metrics.update(self.hybrid_metrics)
+        self.hybrid_metrics = {}
         metrics["step"] = step + 1
         self.last = metrics
         self.log.write(metrics)
@@ -602,11 +623,13 @@ class _Driver:
             "queue": [r.to_state() for r in queue],
         }
         keep = self.config.ckpt.keep
+        self.enter("training", record=False)  # DeepSpeed saves the states from the device
         path = self.roles.actor.save(str(self.ckpt_root), step + 1, client_state=state, keep=keep)
         if self.roles.critic is not None:
             self.roles.critic.save(
                 str(self.ckpt_root / "critic"), step + 1, client_state=state, keep=keep
             )
+        self.enter("generation", record=False)
         self.echo(f"[ckpt] {path}")
 
 

@@ -1,0 +1,126 @@
+"""Turn-taking of hybrid placement (``--train.colocate_all``): which role holds the GPU memory
+in each phase of a synchronous step.
+
+Phases, in the order a step runs them:
+
+- ``training`` (experience and PPO epochs): the engines sleep (vLLM level 1: weights copied to
+  host memory, KV cache freed) and the learners' states are on the device.
+- ``sync`` (the weight sync): the learners' optimizer states, fp32 master weights and gradient
+  partitions go to host memory, then the engines' weights wake; the learners' model weights
+  stay for the sync.
+- ``generation`` (rollouts, evaluations): the learners' model weights go to host memory too,
+  then the engines' KV cache wakes.
+
+Engines sleep only where vLLM can (``--vllm.enable_sleep`` on GPUs); learners offload under
+``--train.deepspeed_enable_sleep`` (on a CPU machine their states stay in host memory while
+DeepSpeed re-links its buffers, so the same schedule runs in CPU tests). Checkpoints and the
+final export run in the ``training`` phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+_PHASES = ("training", "sync", "generation")
+_TAGS = ("weights", "kv_cache")
+
+
+@dataclasses.dataclass
+class TurnTaking:
+    """The phase of a hybrid run's engines and learners.
+
+    Attributes:
+        engines: `rlhf.rollout.RayEngine` handles (started with ``enable_sleep_mode`` when
+            ``sleep_engines``).
+        learners: `rlhf.learner.LearnerGroup` s whose states move (roles with an optimizer),
+            the actor first.
+        sleep_engines: Put the engines to sleep during ``training``.
+        offload_learners: Move the learners' states off the device outside ``training``.
+        phase: Where the run is. A run starts in ``training`` (engines awake, learners
+            loaded, nothing moved yet).
+        engines_awake: The engines' memory tags that are on the device.
+    """
+
+    engines: Sequence[Any]
+    learners: Sequence[Any]
+    sleep_engines: bool
+    offload_learners: bool
+    phase: str = "training"
+    engines_awake: set[str] = dataclasses.field(default_factory=lambda: set(_TAGS))
+
+    def describe(self) -> str:
+        """One line for the plan: what moves between phases."""
+        engines = (
+            "engines sleep while the learners train (vLLM level 1: weights to host memory, "
+            "KV cache freed) and wake weights-first for the sync"
+            if self.sleep_engines
+            else "engines keep their memory (vLLM sleeps on GPUs only, under --vllm.enable_sleep)"
+        )
+        learners = (
+            "actor/critic optimizer states, master weights and gradients leave the device for "
+            "the sync, their weights too while the engines generate"
+            if self.offload_learners
+            else "learners keep their states (--train.deepspeed_enable_sleep False)"
+        )
+        return f"hybrid turn-taking: {engines}; {learners}"
+
+    def enter(self, phase: str) -> dict[str, float]:
+        """Move to ``phase``; returns its metrics: ``time/hybrid_<phase>_s`` and, on GPUs,
+        ``hybrid/gpu_free_gib_<phase>`` (device memory free after the move, as the actor's
+        first rank sees it), ``hybrid/actor_allocated_gib_<phase>`` (that rank's own CUDA
+        allocations after it) and ``hybrid/actor_moved_gib_<phase>`` (what its offload or
+        reload moved)."""
+        if phase not in _PHASES:
+            raise ValueError(f"phase must be one of {_PHASES}, got {phase!r}")
+        if phase == self.phase:
+            return {}
+        tick = time.perf_counter()
+        moved: list[dict[str, float]] = []
+        if phase == "training":
+            if self.sleep_engines and self.engines_awake:
+                for e in self.engines:
+                    e.call("sleep", 1)
+                self.engines_awake.clear()
+            if self.offload_learners:
+                moved = self._each("reload_states")
+        else:
+            if self.offload_learners:
+                # Optimizer states first (the engines' weights need the room); the model
+                # weights only once the sync has read them.
+                moved = self._each("offload_states", weights=phase == "generation")
+            wanted = {"weights"} if phase == "sync" else set(_TAGS)
+            missing = sorted(wanted - self.engines_awake)
+            if missing:
+                for e in self.engines:
+                    e.call("wake_up", missing)
+                self.engines_awake |= wanted
+        self.phase = phase
+        out = {f"time/hybrid_{phase}_s": time.perf_counter() - tick}
+        free = self.learners[0].run(_device_free_gib)[0] if self.learners else None
+        if free is not None:
+            out[f"hybrid/gpu_free_gib_{phase}"] = free
+            if moved:
+                first = moved[0]
+                out[f"hybrid/actor_allocated_gib_{phase}"] = first["allocated_gib_after"]
+                out[f"hybrid/actor_moved_gib_{phase}"] = abs(
+                    first["allocated_gib_after"] - first["allocated_gib_before"]
+                )
+        return out
+
+    def _each(self, method: str, **kwargs: Any) -> list[dict[str, float]]:
+        out: list[dict[str, float]] = []
+        for group in self.learners:
+            out += getattr(group, method)(**kwargs)
+        return out
+
+
+def _device_free_gib(backend: Any) -> float | None:
+    """Free memory of the rank's CUDA device (all processes on it counted), or None on CPU."""
+    import torch
+
+    if backend.device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(backend.device)[0] / 2**30

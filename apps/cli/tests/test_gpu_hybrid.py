@@ -1,0 +1,53 @@
+"""GPU, with ``-m gpu``: a hybrid PPO run (actor, critic, reference and one vLLM engine on one
+GPU) takes turns: the engine sleeps while the learners train, the learners' DeepSpeed states
+leave the GPU while the engine generates, and every sync after a wake is read back and
+verified (``--vllm.verify_sync``), a checkpoint and the export in between."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from .conftest import rlhf, small_run
+
+pytestmark = pytest.mark.gpu
+
+
+def test_a_hybrid_ppo_run_takes_turns_on_one_gpu(assets, tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA GPU; run them on the device machine")
+    total_gib = torch.cuda.mem_get_info()[1] / 2**30
+    weights_gib = (assets["model"] / "model.safetensors").stat().st_size / 2**30  # fp32
+    out = rlhf(
+        "train", "ppo",
+        "--run_dir", str(tmp_path),
+        *small_run(assets, steps=3, prompts=4, samples=4),
+        "--train.colocate_all", "True",
+        "--vllm.gpu_memory_utilization", "0.3",
+        "--ckpt.save_steps", "2",
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-6000:])
+    assert "colocation: bundles all: actor0+critic0+engines0+ref0" in out.stdout
+    assert "engines sleep while the learners train" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    placement = json.loads((tmp_path / "placement.json").read_text())
+    assert len({g for role in placement.values() for g in role["placement_group"]}) == 1
+    for row in steps:
+        # The engine's KV cache (most of its 30 % of the GPU) is free while the learners train.
+        freed = row["hybrid/gpu_free_gib_training"] - row["hybrid/gpu_free_gib_generation"]
+        assert freed > 0.2 * total_gib, row
+        # The actor's states leave the GPU for the sync and generation and come back for
+        # training: each way at least its weights' bytes.
+        moved = {k: v for k, v in row.items() if k.startswith("hybrid/actor_")}
+        print(row["step"], moved, freed)
+        out_gib = row["hybrid/actor_moved_gib_sync"] + row["hybrid/actor_moved_gib_generation"]
+        assert out_gib >= weights_gib, moved
+        assert row["hybrid/actor_moved_gib_training"] >= weights_gib, moved
+        assert row["rollout/staleness_max"] == 0.0
+        assert row["actor/rollout_logprob_diff_max"] < 5e-2, row
+    assert (tmp_path / "checkpoints" / "step-00000002" / "COMPLETE").is_file()
+    assert (tmp_path / "final" / "model.safetensors").is_file()

@@ -277,15 +277,28 @@ def bench_option(
     padded_tokens = sum(m.input_ids.numel() for m in micro)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in backends}
+    peak_gib: dict[str, float] = {}
     for r in range(rounds + 1):
         for name in list(backends)[:: 1 if r % 2 else -1]:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
             start = time.perf_counter()
             backends[name].train_step(micro, objective)
             sync()
             if r:
                 times[name].append(time.perf_counter() - start)
+            if r and device.type == "cuda":  # the peak above what was allocated before it
+                extra = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+                peak_gib[name] = max(peak_gib.get(name, 0.0), extra)
     off_s, on_s = (statistics.median(times[n]) for n in ("off", "on"))
+    if peak_gib:
+        peaks = {f"{n}_step_extra_peak_gib": v for n, v in peak_gib.items()}
+        peaks["ratio_extra_peak_on_over_off"] = peak_gib["on"] / peak_gib["off"]
+    else:
+        peaks = {}
     return {
+        **peaks,
         "option": option,
         "attn": attn,
         "real_tokens_per_step": float(tokens),
@@ -358,6 +371,7 @@ def main() -> None:
     parser.add_argument("--micro-rows", type=int, default=2, help="with --scale: rows per micro")
     parser.add_argument("--packing", action="store_true", help="with --scale: packed vs padded")
     parser.add_argument("--attn", default="sdpa", help="with --packing: attention backends")
+    parser.add_argument("--chunked", action="store_true", help="with --scale: chunked lm_head")
     parser.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -372,6 +386,16 @@ def main() -> None:
         for size in args.scale.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 make_model(pathlib.Path(tmp), SCALES[size])
+                if args.chunked:
+                    key = f"chunked_lm_head_{size}"
+                    results[key] = bench_option(
+                        pathlib.Path(tmp), option="chunked_lm_head", rounds=rounds,
+                        shape=SCALES[size], rows=8, max_len=2048,
+                        micro_rows=args.micro_rows, bf16=True,
+                    )  # fmt: skip
+                    print(f"{key}:", json.dumps(results[key]), flush=True)
+                    torch.cuda.empty_cache()
+                    continue
                 if args.packing:
                     for attn in args.attn.split(","):
                         key = f"packing_{size}_{attn}"

@@ -1,0 +1,119 @@
+"""Hybrid placement (``--train.colocate_all``) with and without turn-taking, side by side.
+
+Two ``rlhf train grpo`` runs on the same model, prompts and seed, one after the other in this
+invocation:
+
+- turn-taking: the engines sleep while the learners train (GPUs) and the learners' DeepSpeed
+  states leave the device outside training (`rlhf.cli.hybrid`);
+- resident: ``--vllm.enable_sleep False --train.deepspeed_enable_sleep False``, every role
+  keeps its memory.
+
+Printed per run: median seconds per phase over the steps after the first (generation,
+experience, training, sync and the hybrid moves), and on GPUs the device memory free while the
+learners train and while the engines generate. Ratios: step time turn-taking / resident, free
+memory during training turn-taking / resident.
+
+Usage: python benchmarks/bench_cli.py [--size tiny|0.5b] [--steps 4] [--json out.json]
+(tiny on CPU, as ``nox -s bench -- cli`` runs it; 0.5b on the GPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from bench_rollout import make_checkpoint
+
+PHASES = ("generation", "experience", "training", "sync", "hybrid_training", "hybrid_sync",
+          "hybrid_generation")  # fmt: skip
+
+
+def prompts(path: pathlib.Path, n: int = 256) -> None:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(n):
+            a, b = rng.randrange(40), rng.randrange(40)
+            f.write(json.dumps({"input": f"{a} plus {b} is", "label": str(a + b)}) + "\n")
+
+
+def run(name: str, model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, args) -> dict:
+    gpu = torch.cuda.is_available()
+    flags = [
+        "--run_dir", str(root / name),
+        "--actor.model.path", str(model),
+        "--data.prompt_data", str(data),
+        "--train.num_steps", str(args.steps),
+        "--rollout.batch_size", str(args.prompts),
+        "--rollout.n_samples_per_prompt", "4",
+        "--rollout.max_new_tokens", str(args.max_new_tokens),
+        "--rollout.max_len", str(args.max_new_tokens + 32),
+        "--train.micro_batch_size", "8",
+        "--eval.steps", "0",
+        "--ckpt.export_hf", "False",
+        "--train.colocate_all", "True",
+        "--vllm.gpu_memory_utilization", "0.5",
+        *(["--actor.deepspeed.bf16", "True", "--vllm.dtype", "bfloat16"] if gpu else []),
+    ]  # fmt: skip
+    if name == "resident":
+        flags += ["--vllm.enable_sleep", "False", "--train.deepspeed_enable_sleep", "False"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "rlhf.cli", "train", "grpo", *flags],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    if out.returncode:
+        raise SystemExit(f"{name} run failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r][1:]  # the first step pays compile/warm-up
+    med = {p: statistics.median(r.get(f"time/{p}_s", 0.0) for r in steps) for p in PHASES}
+    result = {f"{p}_s": v for p, v in med.items()}
+    # time/sync_s contains the sync and generation moves (the driver's sync makes them).
+    result["step_s"] = sum(med[p] for p in ("generation", "experience", "training", "sync"))
+    result["step_s"] += med["hybrid_training"]
+    for key in ("hybrid/gpu_free_gib_training", "hybrid/gpu_free_gib_generation"):
+        values = [r[key] for r in steps if key in r]
+        if values:
+            result[key.split("/")[1]] = min(values)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    root = pathlib.Path(tempfile.mkdtemp(prefix="bench-cli-"))
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model = make_checkpoint(root, args.size, dtype)
+    data = root / "prompts.jsonl"
+    prompts(data)
+    report: dict = {"size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    for name in ("turn-taking", "resident"):
+        report[name] = run(name, model, data, root, args)
+        print(name, json.dumps(report[name], indent=1), flush=True)
+    a, b = report["turn-taking"], report["resident"]
+    report["step_time_ratio_turn_taking_over_resident"] = a["step_s"] / b["step_s"]
+    if "gpu_free_gib_training" in a and "gpu_free_gib_training" in b:
+        report["free_while_training_ratio"] = a["gpu_free_gib_training"] / max(
+            b["gpu_free_gib_training"], 1e-9
+        )
+    print(json.dumps({k: v for k, v in report.items() if "ratio" in k}, indent=1))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,8 @@ Two ``rlhf train grpo`` runs on the same model, prompts and seed, one after the 
 invocation:
 
 - turn-taking: the engines sleep while the learners train (GPUs) and the learners' DeepSpeed
-  states leave the device outside training (`rlhf.cli.hybrid`);
+  states leave the device outside training (`rlhf.cli.hybrid`; ``--train.deepspeed_enable_sleep
+  True``, so on a CPU machine it measures what the round trip costs there);
 - resident: ``--vllm.enable_sleep False --train.deepspeed_enable_sleep False``, every role
   keeps its memory.
 
@@ -66,6 +67,8 @@ def run(name: str, model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, 
     ]  # fmt: skip
     if name == "resident":
         flags += ["--vllm.enable_sleep", "False", "--train.deepspeed_enable_sleep", "False"]
+    else:
+        flags += ["--train.deepspeed_enable_sleep", "True"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "rlhf.cli", "train", "grpo", *flags],

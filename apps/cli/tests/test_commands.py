@@ -150,8 +150,21 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
             "--actor.model.chunked_lm_head needs --actor.deepspeed.zero_stage <= 2",
         ),
         (
-            ["--MODEL", "--train.colocate_all", "True", "--actor.deepspeed.zero_stage", "3"],
+            [
+                "--MODEL",
+                "--train.colocate_all",
+                "True",
+                "--actor.deepspeed.zero_stage",
+                "3",
+                "--train.deepspeed_enable_sleep",
+                "True",
+            ],
             "set --actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1 or 2",
+        ),
+        (
+            ["--MODEL", "--train.deepspeed_enable_sleep", "True"],
+            "--train.deepspeed_enable_sleep moves the learners' states aside for colocated "
+            "engines: it needs --train.colocate_all",
         ),
         (
             ["--MODEL", "--data.prompt_data", "/no/such.jsonl"],

@@ -88,3 +88,19 @@ def test_an_unknown_phase_is_refused() -> None:
     turns, _ = schedule(sleep=True, offload=True)
     with pytest.raises(ValueError, match="phase must be one of"):
         turns.enter("eval")
+
+
+def test_learners_offload_by_default_only_where_it_frees_device_memory() -> None:
+    from rlhf.cli.config import replace
+    from rlhf.cli.presets import resolve
+
+    ppo = replace(resolve("ppo"), **{"train.colocate_all": True})
+    assert ppo.offloads_learners(gpu=True)
+    assert not ppo.offloads_learners(gpu=False)  # a CPU's states are in host memory already
+    zero3 = replace(ppo, **{"critic.deepspeed.zero_stage": 3})
+    assert not zero3.offloads_learners(gpu=True)  # DeepSpeed offloads ZeRO-1/2 states only
+    forced = replace(ppo, **{"train.deepspeed_enable_sleep": True})
+    assert forced.offloads_learners(gpu=False)
+    off = replace(ppo, **{"train.deepspeed_enable_sleep": False})
+    assert not off.offloads_learners(gpu=True)
+    assert not replace(ppo, **{"train.colocate_all": False}).offloads_learners(gpu=True)

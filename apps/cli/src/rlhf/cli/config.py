@@ -159,7 +159,10 @@ class TrainConfig:
         deepspeed_enable_sleep: Under ``--train.colocate_all``, the actor's and critic's
             optimizer states, fp32 master weights and gradient partitions leave the device
             for the weight sync, and their model weights too while the engines generate
-            (`rlhf.cli.hybrid`; OpenRLHF's ``--deepspeed_enable_sleep``). Needs ZeRO-1/2.
+            (`rlhf.cli.hybrid`; OpenRLHF's ``--deepspeed_enable_sleep``). None (default):
+            on GPUs when both roles run ZeRO-1/2, where it frees device memory; True: always
+            (needs ZeRO-1/2; on a CPU machine the states make the round trip in host memory,
+            which frees nothing and costs time); False: never.
         ref_reward_offload: Build the reference and the reward model with ZeRO-3 and their
             parameters offloaded to the CPU between uses (OpenRLHF's ``--ref_reward_offload``).
         use_tensorboard: Also write the metrics as TensorBoard events into this directory
@@ -191,7 +194,7 @@ class TrainConfig:
     colocate_actor_ref: bool = False
     colocate_critic_reward: bool = False
     colocate_all: bool = False
-    deepspeed_enable_sleep: bool = True
+    deepspeed_enable_sleep: bool | None = None
     ref_reward_offload: bool = False
     use_tensorboard: str = ""
     use_wandb: bool = False
@@ -354,12 +357,15 @@ class RLConfig:
                 "--critic.num_ranks equal to --actor.num_ranks",
             ),
             (
-                self.offloads_learners
-                and any(role.deepspeed.zero_stage not in (1, 2) for role in self.trained_roles),
-                "--train.colocate_all offloads the learners' states between phases "
-                "(--train.deepspeed_enable_sleep), which DeepSpeed does for ZeRO-1/2: set "
-                "--actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1 or 2, "
-                "or --train.deepspeed_enable_sleep False",
+                self.train.deepspeed_enable_sleep is True and not self._offloadable_stages,
+                "--train.deepspeed_enable_sleep True offloads the learners' states between "
+                "phases, which DeepSpeed does for ZeRO-1/2: set --actor.deepspeed.zero_stage "
+                "(and --critic.deepspeed.zero_stage) to 1 or 2, or leave the flag unset",
+            ),
+            (
+                self.train.deepspeed_enable_sleep is True and not self.train.colocate_all,
+                "--train.deepspeed_enable_sleep moves the learners' states aside for colocated "
+                "engines: it needs --train.colocate_all",
             ),
             (
                 self.train.colocate_actor_ref and not self.uses_reference,
@@ -393,9 +399,16 @@ class RLConfig:
         return (self.actor, self.critic) if self.uses_critic else (self.actor,)
 
     @property
-    def offloads_learners(self) -> bool:
-        """Hybrid placement moves the actor's (and critic's) states between phases."""
-        return self.train.colocate_all and self.train.deepspeed_enable_sleep
+    def _offloadable_stages(self) -> bool:
+        return all(role.deepspeed.zero_stage in (1, 2) for role in self.trained_roles)
+
+    def offloads_learners(self, *, gpu: bool) -> bool:
+        """Whether hybrid placement moves the actor's (and critic's) states between phases
+        (``--train.deepspeed_enable_sleep``; unset: on GPUs, for ZeRO-1/2)."""
+        flag = self.train.deepspeed_enable_sleep
+        if not self.train.colocate_all or flag is False:
+            return False
+        return flag is True or (gpu and self._offloadable_stages)
 
     @property
     def _group_estimator(self) -> bool:

@@ -12,9 +12,9 @@ Phases, in the order a step runs them:
   then the engines' KV cache wakes.
 
 Engines sleep only where vLLM can (``--vllm.enable_sleep`` on GPUs); learners offload under
-``--train.deepspeed_enable_sleep`` (on a CPU machine their states stay in host memory while
-DeepSpeed re-links its buffers, so the same schedule runs in CPU tests). Checkpoints and the
-final export run in the ``training`` phase.
+``--train.deepspeed_enable_sleep`` (by default on GPUs with ZeRO-1/2; forced on a CPU machine,
+their states stay in host memory while DeepSpeed re-links its buffers, so the CPU tests run the
+same schedule). Checkpoints and the final export run in the ``training`` phase.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class TurnTaking:
             "actor/critic optimizer states, master weights and gradients leave the device for "
             "the sync, their weights too while the engines generate"
             if self.offload_learners
-            else "learners keep their states (--train.deepspeed_enable_sleep False)"
+            else "learners keep their states (--train.deepspeed_enable_sleep: by default on "
+            "GPUs with ZeRO-1/2)"
         )
         return f"hybrid turn-taking: {engines}; {learners}"
 

@@ -312,7 +312,7 @@ def _start(config: RLConfig, total_optimizer_steps: int) -> _Roles:
             engines=engines,
             learners=[g for g in (actor, critic) if g is not None],
             sleep_engines=sleep,
-            offload_learners=config.offloads_learners,
+            offload_learners=config.offloads_learners(gpu=gpu),
         )
     return _Roles(engines, pool, actor, ref, critic, reward_model, placement, turns)
 

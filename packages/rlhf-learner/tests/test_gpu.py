@@ -75,25 +75,32 @@ def test_cuda_ipc_sync_opens_in_another_process_with_the_same_bytes() -> None:
         assert seen[name] == digest(tensor.contiguous().view(-1).view(torch.uint8)), name
 
 
+def _tiny_bf16_model(path, *, vocab_size: int, **model_options):
+    """A random 2-layer Qwen2 saved at ``path`` and loaded through `load_model` in bf16 on
+    the GPU (``model_options``: further `ModelConfig` fields)."""
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA GPU; run them on the device machine")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlhf.learner import ModelConfig, load_model
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return load_model(ModelConfig(path=str(path), dtype="bfloat16", **model_options)).cuda()
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
 def test_packed_logprobs_on_cuda_equal_the_padded_ones(tmp_path, attn) -> None:
     """bf16 on CUDA: the packed row runs through the GPU attention kernels (a block-causal
     mask for sdpa, a block mask for flex attention) and gives the padded batch's log-probs;
     `check_packing` accepts the model."""
-    if not torch.cuda.is_available():
-        pytest.fail("the gpu tests need a CUDA GPU; run them on the device machine")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from rlhf.learner import check_packing, collate, token_logprobs
 
-    from rlhf.learner import ModelConfig, check_packing, collate, load_model, token_logprobs
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
-    model = load_model(ModelConfig(path=str(tmp_path), dtype="bfloat16", attn_implementation=attn))
-    model = model.cuda().eval()
+    model = _tiny_bf16_model(tmp_path, vocab_size=512, attn_implementation=attn).eval()
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (37, 200, 5, 128, 64)]
     batch = collate(rows, pad_token_id=0).to("cuda")
@@ -112,19 +119,9 @@ def test_packed_logprobs_on_cuda_equal_the_padded_ones(tmp_path, attn) -> None:
 def test_chunked_lm_head_on_cuda_equals_the_logits_path(tmp_path) -> None:
     """bf16 on CUDA, compiled chunk kernels: the chunked head's log-probs and the gradient of
     a weighted sum of them match the logits path to bf16 rounding."""
-    if not torch.cuda.is_available():
-        pytest.fail("the gpu tests need a CUDA GPU; run them on the device machine")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from rlhf.learner import check_chunked_lm_head, collate, token_logprobs
 
-    from rlhf.learner import ModelConfig, check_chunked_lm_head, collate, load_model, token_logprobs
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
-    model = load_model(ModelConfig(path=str(tmp_path), dtype="bfloat16")).cuda()
+    model = _tiny_bf16_model(tmp_path, vocab_size=4096)
     check_chunked_lm_head(model.eval(), device="cuda", flag="model.chunked_lm_head")
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (300, 17, 128)]

@@ -37,6 +37,25 @@ def test_every_registered_estimator_has_a_hand_case_below() -> None:
     assert set(ADVANTAGE_ESTIMATORS.names()) == covered
 
 
+def test_estimators_say_what_they_need() -> None:
+    # GAE alone reads critic values; every estimator with a group baseline compares the
+    # samples of a prompt (the CLI asks these instead of listing names).
+    needs = {
+        name: (AdvantageConfig(estimator=name).spec.needs_critic,
+               AdvantageConfig(estimator=name).spec.needs_groups)
+        for name in ADVANTAGE_ESTIMATORS.names()
+    }  # fmt: skip
+    assert needs == {
+        "gae": (True, False),
+        "reinforce": (False, False),
+        "reinforce_baseline": (False, True),
+        "rloo": (False, True),
+        "group_norm": (False, True),
+        "grpo": (False, True),
+        "dr_grpo": (False, True),
+    }
+
+
 def test_reinforce_discounts_per_action_token() -> None:
     # R = 2 on the last of 3 action tokens, γ = 0.5: G = [0.5, 1, 2]; position 3 is padding.
     adv = run("reinforce", [2.0], [[1, 1, 1, 0]], n=1, gamma=0.5, whiten=False)

@@ -1,7 +1,7 @@
-"""Every vector of shared/reference/ALGORITHMS.md, to 1e-6.
+"""Reference vectors for the estimators and losses, to 1e-6.
 
-The expected numbers are the document's (computed independently in float64); the derivations
-are repeated in comments so a reader can check them by hand.
+The expected numbers were computed independently in float64; the derivations are repeated in
+comments so a reader can check them by hand.
 """
 
 import math

@@ -1,5 +1,5 @@
 """The contracts of rlhf.agents: sampling parameters, generations, the Generator protocol and
-the Trajectory every executor returns (ARCHITECTURE.md §3)."""
+the Trajectory every executor returns."""
 
 from __future__ import annotations
 

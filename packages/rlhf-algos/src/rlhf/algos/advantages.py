@@ -1,6 +1,6 @@
 """Advantage estimators: group baselines, discounted returns, GAE, and the estimator registry.
 
-An estimator is three steps (ALGORITHMS.md, table "Advantage estimators"):
+An estimator is three steps:
 
 1. a scalar step on the sequence reward R within each prompt group (`GROUP_BASELINES`),
 2. a token step on the shaped per-token rewards: GAE(γ, λ) with critic values, or the
@@ -188,6 +188,16 @@ class EstimatorSpec:
     whiten: bool
     unit_gamma: bool = False
 
+    @property
+    def needs_critic(self) -> bool:
+        """The token step needs critic values (GAE)."""
+        return self.token_step == "gae"
+
+    @property
+    def needs_groups(self) -> bool:
+        """The baseline compares the samples of a prompt (n_samples_per_prompt >= 2)."""
+        return self.baseline != "none"
+
 
 ADVANTAGE_ESTIMATORS: Registry[EstimatorSpec] = Registry("advantage estimator")
 ADVANTAGE_ESTIMATORS.register("gae")(EstimatorSpec("none", "gae", whiten=True))
@@ -224,6 +234,11 @@ class AdvantageConfig:
     lam: float = 0.95
     whiten: bool | None = None
     reward_clip: tuple[float, float] | None = (-10.0, 10.0)
+
+    @property
+    def spec(self) -> EstimatorSpec:
+        """The estimator's recipe from `ADVANTAGE_ESTIMATORS`."""
+        return ADVANTAGE_ESTIMATORS.get(self.estimator)
 
     def __post_init__(self) -> None:
         ADVANTAGE_ESTIMATORS.canonical(self.estimator)

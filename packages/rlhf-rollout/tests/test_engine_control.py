@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.agents import SamplingParams
-from rlhf.rollout import EngineConfig, EngineError, VLLMEngine, WeightSyncError
+from rlhf.rollout import EngineConfig, EngineError, VLLMEngine
+from rlhf.weights import WeightSyncError
 
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -199,7 +200,7 @@ def test_verification_catches_a_stale_tied_head(engine, checkpoint, pack, restor
     state = original(checkpoint)
     new = {**state, "model.embed_tokens.weight": state["model.embed_tokens.weight"] * 2}
     sync = pack(new, version=7, bucket_bytes=1 << 20)
-    from rlhf.rollout.buckets import iter_tensors
+    from rlhf.weights import iter_tensors
 
     engine.call(
         lambda eng: eng.collective_rpc(

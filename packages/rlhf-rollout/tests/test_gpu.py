@@ -1,5 +1,5 @@
-"""GPU paths, run on a CUDA machine with ``-m gpu``: CUDA IPC from another process, NCCL
-through CuPy from another GPU, sleep/wake, checksums on the device and log-prob conformance of
+"""GPU paths, run on a CUDA machine with ``-m gpu``: CUDA IPC from another process, an NCCL
+broadcast (through CuPy) from another GPU, sleep/wake, checksums on the device and log-prob conformance of
 a GPU engine.
 
 The sender of each sync is a separate process (CUDA IPC within one process is not IPC; NCCL
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
 import pickle
 import subprocess
@@ -23,16 +22,8 @@ from safetensors.torch import load_file
 from transformers import Qwen2ForCausalLM
 
 from rlhf.agents import SamplingParams
-from rlhf.rollout import (
-    EngineConfig,
-    EngineError,
-    VLLMEngine,
-    WeightSyncError,
-    check_logprobs,
-    checksum,
-    pack_buckets,
-)
-from rlhf.rollout.transports.cuda_ipc import receive_cuda_ipc
+from rlhf.rollout import EngineConfig, EngineError, VLLMEngine, check_logprobs
+from rlhf.weights import CudaIpcReceiver, WeightSyncError, pack_buckets
 
 pytestmark = pytest.mark.gpu
 
@@ -44,20 +35,20 @@ GPU_TOL = 2e-2
 
 IPC_SENDER = r"""
 import base64, pickle, sys, torch
-from rlhf.rollout.transports.cuda_ipc import share_cuda_ipc
+from rlhf.weights import CudaIpcSender
 buckets = pickle.loads(base64.b64decode(sys.stdin.readline()))
-on_gpu = [b.header().with_buffer(b.buffer.cuda()) for b in buckets]
-print(base64.b64encode(pickle.dumps(share_cuda_ipc(on_gpu))).decode(), flush=True)
+on_gpu = [b.header.with_buffer(b.buffer.cuda()) for b in buckets]
+print(base64.b64encode(pickle.dumps(CudaIpcSender().send(on_gpu))).decode(), flush=True)
 sys.stdin.readline()  # keep the buffers alive until the receiver has loaded them
 """
 
 NCCL_SENDER = r"""
 import base64, json, pickle, sys, torch
-from rlhf.rollout.transports.nccl import NcclGroup
+from rlhf.weights import BroadcastGroup
 buckets = pickle.loads(base64.b64decode(sys.stdin.readline()))
-on_gpu = [b.header().with_buffer(b.buffer.cuda()) for b in buckets]
-group = NcclGroup(unique_id=json.loads(sys.argv[1]), rank=0, world_size=2, device=0)
-group.send_buckets(on_gpu)
+on_gpu = [b.header.with_buffer(b.buffer.cuda()) for b in buckets]
+group = BroadcastGroup(pickle.loads(base64.b64decode(sys.argv[1])), rank=0, device=0)
+group.send(on_gpu)
 print("sent", flush=True)
 sys.stdin.readline()
 group.close()
@@ -73,7 +64,7 @@ def _start_sender(script: str, buckets, *args: str, env=None) -> subprocess.Pope
         env={**os.environ, **(env or {})},
     )
     assert proc.stdin is not None
-    host = [b.header().with_buffer(b.buffer.cpu()) for b in buckets]
+    host = [b.header.with_buffer(b.buffer.cpu()) for b in buckets]
     proc.stdin.write(base64.b64encode(pickle.dumps(host)).decode() + "\n")
     proc.stdin.flush()
     return proc
@@ -128,14 +119,6 @@ def _perturbed(state, seed: int) -> dict[str, torch.Tensor]:
     return {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
 
 
-def test_wsum64_is_the_same_on_gpu_and_host() -> None:
-    data = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8)
-    assert checksum(data.cuda(), "wsum64") == checksum(data, "wsum64")
-    flipped = data.clone()
-    flipped[777] ^= 4
-    assert checksum(flipped.cuda(), "wsum64") != checksum(data.cuda(), "wsum64")
-
-
 def test_gpu_engine_conforms_with_transformers(gpu_engine, checkpoint, state) -> None:
     model = _model_with(checkpoint, state)
     for sampling in (GREEDY, SamplingParams(max_new_tokens=12, temperature=0.8, top_k=30)):
@@ -154,7 +137,7 @@ def test_cuda_ipc_sync_from_another_process(gpu_engine, checkpoint, state) -> No
     try:
         assert proc.stdout is not None
         sync = pickle.loads(base64.b64decode(proc.stdout.readline()))
-        received = receive_cuda_ipc(sync)
+        received = CudaIpcReceiver().receive(sync)
         assert all(b.buffer.device.type == "cuda" for b in received)
         assert gpu_engine.update_weights(received, verify=True) == 11
     finally:
@@ -194,7 +177,7 @@ def test_a_corrupted_ipc_bucket_is_rejected_on_the_gpu(gpu_engine, state) -> Non
         assert proc.stdout is not None
         sync = pickle.loads(base64.b64decode(proc.stdout.readline()))
         with pytest.raises(WeightSyncError, match="bucket 1 of version 12 is corrupted"):
-            gpu_engine.update_weights(receive_cuda_ipc(sync))
+            gpu_engine.update_weights(CudaIpcReceiver().receive(sync))
     finally:
         _finish(proc)
     assert _greedy(gpu_engine) == before
@@ -239,25 +222,26 @@ def test_sleep_level_2_never_serves_unverified_weights(gpu_engine, checkpoint, s
 def test_nccl_broadcast_from_another_gpu(gpu_engine, checkpoint, state) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL between processes needs 2 GPUs (one rank per GPU)")
-    from rlhf.rollout.transports.nccl import NcclGroup, new_unique_id
+    from rlhf.weights import BroadcastGroup, new_broadcast_group
 
     new = _perturbed(state, seed=5)
     buckets = pack_buckets(new.items(), version=14, bucket_bytes=1 << 18, algorithm="wsum64")
-    uid = new_unique_id()
+    spec = new_broadcast_group(backend="nccl", world_size=2)
 
     proc = _start_sender(
-        NCCL_SENDER, buckets, json.dumps(list(uid)), env={"CUDA_VISIBLE_DEVICES": "1"}
+        NCCL_SENDER,
+        buckets,
+        base64.b64encode(pickle.dumps(spec)).decode(),
+        env={"CUDA_VISIBLE_DEVICES": "1"},
     )
-    joined: dict[str, NcclGroup] = {}
+    joined: dict[str, BroadcastGroup] = {}
     joiner = threading.Thread(
-        target=lambda: joined.setdefault(
-            "g", NcclGroup(unique_id=uid, rank=1, world_size=2, device=0)
-        )
+        target=lambda: joined.setdefault("g", BroadcastGroup(spec, rank=1, device=0))
     )
     joiner.start()
     joiner.join(timeout=120)
     try:
-        received = joined["g"].receive_buckets([b.header().to_wire() for b in buckets])
+        received = joined["g"].receive()
         assert gpu_engine.update_weights(received, verify=True) == 14
         assert proc.stdout is not None and proc.stdout.readline().strip() == "sent"
     finally:

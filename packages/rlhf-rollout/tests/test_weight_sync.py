@@ -12,13 +12,8 @@ from safetensors.torch import load_file
 from transformers import Qwen2ForCausalLM
 
 from rlhf.agents import SamplingParams
-from rlhf.rollout import (
-    WeightBucket,
-    WeightSyncError,
-    checksum,
-    read_checkpoint_params,
-    validate_sync,
-)
+from rlhf.rollout import read_checkpoint_params
+from rlhf.weights import WeightBucket, WeightSyncError, checksum, validate_sync
 
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -95,13 +90,8 @@ def test_update_from_buckets_equals_loading_from_disk(engine, new_weights, pack)
 def _corrupt_byte(bucket: WeightBucket, *, fix_bucket_checksum: bool) -> WeightBucket:
     buf = bucket.buffer.clone()
     buf[bucket.tensors[0].offset] ^= 0xFF
-    return dataclasses.replace(
-        bucket,
-        buffer=buf,
-        checksum=checksum(buf, bucket.checksum_algorithm)
-        if fix_bucket_checksum
-        else bucket.checksum,
-    )
+    digest = checksum(buf, bucket.checksum_algorithm) if fix_bucket_checksum else bucket.checksum
+    return dataclasses.replace(bucket.header, checksum=digest).with_buffer(buf)
 
 
 @pytest.mark.parametrize(
@@ -115,7 +105,10 @@ def _corrupt_byte(bucket: WeightBucket, *, fix_bucket_checksum: bool) -> WeightB
         (lambda bs: bs[:-1], r"incomplete or duplicated buckets"),
         (lambda bs: [*bs, bs[0]], r"incomplete or duplicated buckets"),
         (
-            lambda bs: [dataclasses.replace(bs[0], version=8), *bs[1:]],
+            lambda bs: [
+                dataclasses.replace(bs[0].header, version=8).with_buffer(bs[0].buffer),
+                *bs[1:],
+            ],
             r"buckets disagree on the weight version: \[8, 9\]",
         ),
         (lambda bs: [], r"needs at least one bucket"),

@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -27,17 +27,17 @@ from typing import Any
 import torch
 
 from rlhf.agents import Generation, SamplingParams
-from rlhf.rollout.buckets import (
+from rlhf.rollout.config import EngineConfig
+from rlhf.rollout.readback import TIED, live_digests
+from rlhf.weights import (
     CHECKSUMS,
     DTYPES,
     WeightBucket,
     WeightSyncError,
-    bucket_from_wire,
+    digest_of,
     iter_tensors,
     validate_sync,
 )
-from rlhf.rollout.config import EngineConfig
-from rlhf.rollout.readback import TIED, live_digests
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -411,7 +411,7 @@ class VLLMEngine:
 
     def update_weights(
         self,
-        buckets: Sequence[WeightBucket | tuple[Mapping[str, Any], Any]],
+        buckets: Sequence[WeightBucket],
         *,
         require_all: bool = True,
         verify: bool = False,
@@ -424,7 +424,8 @@ class VLLMEngine:
         recomputed with the new weights) and `weight_version` becomes the sync's version.
 
         Args:
-            buckets: The sync: buckets, or ``(header, buffer)`` pairs in plain-data form.
+            buckets: The sync (`rlhf.weights`: from a transport's receiver, or
+                `rlhf.weights.pack_buckets` in this process).
             require_all: Every checkpoint tensor must be in the sync.
             verify: Read the loaded weights back from the engine and compare
                 (`verify_weights`); always done while the served weights are unknown (after
@@ -440,7 +441,7 @@ class VLLMEngine:
                 "live weight updates need vllm.tensor_parallel_size=1 for now; with tensor "
                 "parallelism, restart the engine from an exported checkpoint"
             )
-        buckets = [bucket_from_wire(b) for b in buckets]
+        buckets = list(buckets)
         version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
         self.call(_load_buckets, list(buckets))
         self.weight_version = version
@@ -455,10 +456,7 @@ class VLLMEngine:
             raise EngineError(
                 "weight read-back needs vllm.tensor_parallel_size=1 (shards are not gathered)"
             )
-        if algorithm not in CHECKSUMS:
-            raise ValueError(
-                f"unknown checksum algorithm {algorithm!r}; known: {sorted(CHECKSUMS)}"
-            )
+        digest_of(algorithm)  # an unknown name fails here, listing the known ones
         checkpoint = self.checkpoint_params()
         per_worker = self.call(
             lambda eng: eng.collective_rpc(live_digests, args=(checkpoint, algorithm))

@@ -1,9 +1,14 @@
-"""A `VLLMEngine` in a Ray actor, and `RayEngine`, the `Generator` that talks to it.
+"""A `VLLMEngine` in a Ray actor, and `RayEngine`, the handle that mirrors it.
 
 One engine per actor process (vLLM keeps process-global parallel state). The actor is async:
-generate calls from many callers overlap inside it. `RayEngine.run` executes a coroutine
-function next to the engine (an rlhf.agents executor), so an episode's token stream never
-leaves the engine's process; only the finished trajectories travel back.
+generate calls from many callers overlap inside it, and blocking engine calls run in threads so
+requests keep flowing meanwhile. `RayEngine` has `VLLMEngine`'s methods with the same
+arguments (``generate``, ``pause``, ``resume``, ``sleep``, ``wake_up``, ``update_weights``,
+``weight_checksums``, ``metrics``, ``shutdown``), blocking until the actor answered, plus what
+only a remote engine needs: `RayEngine.run` executes a coroutine function next to the engine
+(an rlhf.agents executor, so an episode's token stream never leaves the engine's process), and
+weights arrive through an `rlhf.weights` transport (`RayEngine.update_weights_from`, or a
+broadcast group: `RayEngine.join_weight_group` then `RayEngine.update_weights_from_group`).
 
 Ray is imported when an actor is spawned; install ``rlhf-rollout[cpu]`` or ``[gpu]``.
 """
@@ -15,15 +20,22 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlhf.agents import Generation, SamplingParams
-from rlhf.rollout.buckets import WeightBucket
 from rlhf.rollout.config import EngineConfig
 from rlhf.rollout.engine import VLLMEngine
-from rlhf.rollout.transports.cuda_ipc import CudaIpcSync, receive_cuda_ipc
-from rlhf.rollout.transports.host import (
+from rlhf.weights import (
+    BroadcastGroup,
+    BroadcastGroupSpec,
+    CudaIpcReceiver,
+    CudaIpcSync,
+    ObjectStoreReceiver,
+    ObjectStoreSync,
     SharedMemoryReceiver,
     SharedMemorySync,
-    receive_shared_memory,
+    WeightBucket,
 )
+
+TransportSync = ObjectStoreSync | SharedMemorySync | CudaIpcSync
+"""A sync that a transport's sender made for the engines to receive."""
 
 
 class EngineActor:
@@ -31,8 +43,14 @@ class EngineActor:
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = VLLMEngine(config).start()
-        self.group: Any = None  # NcclGroup with the learner, once `init_weight_group` ran
-        self.shm_receiver = SharedMemoryReceiver()
+        # One receiver per transport, by the type of sync it reads (kept: the shared-memory
+        # receiver keeps the sender's segment mapped between syncs).
+        self.receivers: dict[type, Any] = {
+            ObjectStoreSync: ObjectStoreReceiver(),
+            SharedMemorySync: SharedMemoryReceiver(),
+            CudaIpcSync: CudaIpcReceiver(),
+        }
+        self.group: BroadcastGroup | None = None
 
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -43,86 +61,65 @@ class EngineActor:
         """``await fn(engine, *args, **kwargs)`` inside the actor."""
         return await fn(self.engine, *args, **kwargs)
 
-    async def update_weights(
-        self, buckets: Sequence[Any], *, require_all: bool = True, verify: bool = False
-    ) -> int:
-        """Load a sync given as buckets, ``(header, buffer)`` pairs (the buffer may be an
-        object ref), or object refs of either."""
-        import ray
+    async def _blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
 
-        resolved = []
-        for item in buckets:  # awaited, not ray.get: requests keep flowing meanwhile
-            item = await item if isinstance(item, ray.ObjectRef) else item
-            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], ray.ObjectRef):
-                item = (item[0], await item[1])  # a header beside its buffer's ref
-            resolved.append(item)
-        return await asyncio.to_thread(
-            self.engine.update_weights, resolved, require_all=require_all, verify=verify
+    async def pause(self) -> int:
+        return await self._blocking(self.engine.pause)
+
+    async def resume(self) -> int:
+        return await self._blocking(self.engine.resume)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._blocking(self.engine.sleep, level)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        await self._blocking(self.engine.wake_up, tags)
+
+    async def update_weights(
+        self, buckets: Sequence[WeightBucket], *, require_all: bool = True, verify: bool = False
+    ) -> int:
+        return await self._blocking(
+            self.engine.update_weights, buckets, require_all=require_all, verify=verify
         )
 
-    async def update_weights_from_shared_memory(
-        self, sync: SharedMemorySync, *, require_all: bool = True, verify: bool = False
+    async def update_weights_from(
+        self, sync: TransportSync, *, require_all: bool = True, verify: bool = False
     ) -> int:
-        """Load a sync that the sender wrote into shared memory (`send_shared_memory`, or a
-        `SharedMemoryChannel`, whose segment stays mapped here between syncs)."""
+        receiver = self.receivers.get(type(sync))
+        if receiver is None:
+            known = ", ".join(t.__name__ for t in self.receivers)
+            raise TypeError(f"no receiver for a {type(sync).__name__}; known: {known}")
 
         def load() -> int:
-            if sync.persistent:
-                buckets = self.shm_receiver.buckets(sync)
-                return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
-            with receive_shared_memory(sync) as buckets:
-                return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
-
-        return await asyncio.to_thread(load)
-
-    async def update_weights_from_cuda_ipc(
-        self,
-        sync: CudaIpcSync | Mapping[str, Any],
-        *,
-        require_all: bool = True,
-        verify: bool = False,
-    ) -> int:
-        """Load a sync shared by CUDA IPC from a process on the same GPU."""
-
-        def load() -> int:
-            buckets = receive_cuda_ipc(sync)
+            buckets = receiver.receive(sync)
             return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
 
-        return await asyncio.to_thread(load)
+        return await self._blocking(load)
 
-    async def init_weight_group(self, unique_id: Sequence[int], rank: int, world_size: int) -> None:
-        """Join the learner's NCCL group (blocks until every rank has joined)."""
-        from rlhf.rollout.transports.nccl import NcclGroup
-
+    async def join_weight_group(self, spec: BroadcastGroupSpec, rank: int) -> None:
         def join() -> None:
             if self.group is not None:
                 self.group.close()
-            self.group = NcclGroup(unique_id=unique_id, rank=rank, world_size=world_size)
+            self.group = BroadcastGroup(spec, rank=rank)
 
-        await asyncio.to_thread(join)
+        await self._blocking(join)
 
-    async def update_weights_from_nccl(
-        self,
-        headers: Sequence[Any],
-        *,
-        require_all: bool = True,
-        verify: bool = False,
+    async def update_weights_from_group(
+        self, *, require_all: bool = True, verify: bool = False
     ) -> int:
-        """Receive one broadcast buffer per header from the group's rank 0, then load."""
-        if self.group is None:
-            raise RuntimeError("call init_weight_group() before update_weights_from_nccl()")
+        group = self.group
+        if group is None:
+            raise RuntimeError("join_weight_group() before update_weights_from_group()")
 
         def load() -> int:
-            buckets = self.group.receive_buckets(headers)
+            buckets = group.receive()
             return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
 
-        return await asyncio.to_thread(load)
+        return await self._blocking(load)
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A blocking `VLLMEngine` method (pause, resume, sleep, weight_checksums, …)."""
-        if method.startswith("_") or method in ("start", "generate"):
-            raise AttributeError(f"VLLMEngine.{method} cannot be called remotely")
-        return await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
+    async def weight_checksums(self, algorithm: str = "blake2b-128") -> dict[str, Any]:
+        return await self._blocking(self.engine.weight_checksums, algorithm)
 
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
@@ -131,7 +128,8 @@ class EngineActor:
         return self.engine.weight_version
 
     def shutdown(self) -> None:
-        self.shm_receiver.close()
+        for receiver in self.receivers.values():
+            receiver.close()
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -139,8 +137,9 @@ class EngineActor:
 
 
 class RayEngine:
-    """A `Generator` backed by an `EngineActor`; cancelling `generate` cancels the remote call
-    (and so the vLLM request).
+    """A `VLLMEngine` in an `EngineActor`: the same methods, blocking until the actor answered
+    (``generate`` and ``run`` are coroutines; cancelling ``generate`` cancels the remote call
+    and so the vLLM request).
 
     Args:
         handle: The actor handle.
@@ -148,6 +147,12 @@ class RayEngine:
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+
+    @staticmethod
+    def _get(ref: Any) -> Any:
+        import ray
+
+        return ray.get(ref)
 
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -165,74 +170,65 @@ class RayEngine:
         """Run ``await fn(engine, *args, **kwargs)`` inside the actor process."""
         return await self.handle.run.remote(fn, *args, **kwargs)
 
-    def update_weights(
-        self,
-        buckets: Sequence[WeightBucket | Any],
-        *,
-        require_all: bool = True,
-        verify: bool = False,
-    ) -> int:
-        """Send buckets (or object refs of buckets) and load them; blocks until loaded."""
-        import ray
+    def pause(self) -> int:
+        """`VLLMEngine.pause`."""
+        return self._get(self.handle.pause.remote())
 
-        return ray.get(
+    def resume(self) -> int:
+        """`VLLMEngine.resume`."""
+        return self._get(self.handle.resume.remote())
+
+    def sleep(self, level: int = 1) -> None:
+        """`VLLMEngine.sleep`."""
+        self._get(self.handle.sleep.remote(level))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """`VLLMEngine.wake_up`."""
+        self._get(self.handle.wake_up.remote(None if tags is None else list(tags)))
+
+    def update_weights(
+        self, buckets: Sequence[WeightBucket], *, require_all: bool = True, verify: bool = False
+    ) -> int:
+        """`VLLMEngine.update_weights` with buckets sent along with the call."""
+        return self._get(
             self.handle.update_weights.remote(list(buckets), require_all=require_all, verify=verify)
         )
 
-    def update_weights_from_shared_memory(
-        self, sync: SharedMemorySync, *, require_all: bool = True, verify: bool = False
+    def update_weights_from(
+        self, sync: TransportSync, *, require_all: bool = True, verify: bool = False
     ) -> int:
-        import ray
-
-        return ray.get(
-            self.handle.update_weights_from_shared_memory.remote(
-                sync, require_all=require_all, verify=verify
-            )
+        """Receive a transport's sync (`rlhf.weights`: object store, shared memory, CUDA IPC)
+        in the actor and load it as `update_weights` does; the sender keeps the sync's
+        buffers until this returns."""
+        return self._get(
+            self.handle.update_weights_from.remote(sync, require_all=require_all, verify=verify)
         )
 
-    def update_weights_from_cuda_ipc(
-        self,
-        sync: CudaIpcSync | Mapping[str, Any],
-        *,
-        require_all: bool = True,
-        verify: bool = False,
-    ) -> int:
-        """Load a sync shared by CUDA IPC (the sender keeps its buffers alive until this
-        returns)."""
-        import ray
+    def join_weight_group(self, spec: BroadcastGroupSpec, rank: int) -> Any:
+        """Start joining a broadcast group as ``rank`` (>= 1); returns the call's object ref at
+        once: the sender joins as rank 0 meanwhile, then ``ray.get`` the refs."""
+        return self.handle.join_weight_group.remote(spec, rank)
 
-        return ray.get(
-            self.handle.update_weights_from_cuda_ipc.remote(
-                sync, require_all=require_all, verify=verify
-            )
-        )
+    def update_weights_from_group(self, *, require_all: bool = True, verify: bool = False) -> Any:
+        """Start receiving the group's next sync; returns the call's object ref at once (the
+        sender then broadcasts; ``ray.get`` gives the new weight version)."""
+        return self.handle.update_weights_from_group.remote(require_all=require_all, verify=verify)
 
-    def init_weight_group(self, unique_id: Sequence[int], rank: int, world_size: int) -> Any:
-        """Start joining the learner's NCCL group; returns the call's object ref at once (the
-        sender joins as rank 0 at the same time, then ``ray.get`` the refs)."""
-        return self.handle.init_weight_group.remote(tuple(unique_id), rank, world_size)
+    def weight_checksums(self, algorithm: str = "blake2b-128") -> dict[str, tuple[str, str]]:
+        """`VLLMEngine.weight_checksums`."""
+        return self._get(self.handle.weight_checksums.remote(algorithm))
 
-    def update_weights_from_nccl(
-        self, headers: Sequence[Any], *, require_all: bool = True, verify: bool = False
-    ) -> Any:
-        """Start receiving a sync over NCCL; returns the call's object ref at once (the sender
-        then broadcasts the buffers; ``ray.get`` gives the new weight version)."""
-        return self.handle.update_weights_from_nccl.remote(
-            list(headers), require_all=require_all, verify=verify
-        )
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a blocking `VLLMEngine` method in the actor (``pause``, ``resume``, …)."""
-        import ray
-
-        return ray.get(self.handle.call.remote(method, *args, **kwargs))
+    @property
+    def weight_version(self) -> int:
+        """`VLLMEngine.weight_version`."""
+        return self._get(self.handle.weight_version.remote())
 
     def metrics(self) -> dict[str, float]:
-        import ray
-
-        return ray.get(self.handle.metrics.remote())
+        """`VLLMEngine.metrics`."""
+        return self._get(self.handle.metrics.remote())
 
     def shutdown(self) -> None:
+        """Stop the engine and end the actor."""
         import ray
 
         ray.get(self.handle.shutdown.remote())

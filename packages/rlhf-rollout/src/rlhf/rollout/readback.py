@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlhf.rollout.buckets import CHECKSUMS
+from rlhf.weights import CHECKSUMS
 
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 """Model tensors that a checkpoint with tied embeddings stores under another name."""

@@ -13,6 +13,7 @@ from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
 from rlhf.learner import (
     CheckpointError,
     CriticObjective,
+    DeepSpeedBackend,
     DeepSpeedConfig,
     DPOObjective,
     LearnerConfig,
@@ -24,15 +25,15 @@ from rlhf.learner import (
     RewardModelObjective,
     SFTObjective,
     collate,
-    count_buckets,
-    iter_buckets,
     load_model,
     preference_row,
     sequence_logps,
     sequence_scores,
     sft_row,
+    stream_weights,
 )
 from rlhf.learner.optim import build_optimizer
+from rlhf.weights import count_buckets, iter_tensors, validate_sync
 
 from .test_units import _rl_batch
 
@@ -63,6 +64,10 @@ def config(
     )
 
 
+def state_shapes(state: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
+    return [tuple(v.shape) for v in state.values()]
+
+
 def full_state(group) -> dict[str, torch.Tensor]:
     return group.run(lambda backend: backend.state_dict_on_rank0())[0]
 
@@ -81,7 +86,7 @@ def sft_batch(tokenizer, n: int = 6):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sft_steps_lower_the_loss_and_change_every_parameter(group, tiny, tokenizer, stage) -> None:
-    group.build(config(tiny, stage=stage))
+    group.build(config(tiny, stage=stage), backend=DeepSpeedBackend)
     before = full_state(group)
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
@@ -118,7 +123,7 @@ def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage, option) ->
     optimizer.step()
     scheduler.step()
 
-    group.build(cfg)
+    group.build(cfg, backend=DeepSpeedBackend)
     split = {"max_tokens": 16} if packing else {"max_rows": 2}
     assert [len(m) for m, _ in group.split(batch, **split)] == [2, 1]  # 3 micro-batches
     out = group.train_step(batch, objective, **split)
@@ -148,7 +153,7 @@ def test_critic_step_is_exact_across_the_split(group, tiny, packing) -> None:
     loss, _ = objective(ref, dataclasses.replace(batch, packing_samples=packing))
     loss.backward()
     grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in ref.parameters() if p.grad is not None))
-    group.build(config(tiny, stage=2, kind="scalar", packing=packing))
+    group.build(config(tiny, stage=2, kind="scalar", packing=packing), backend=DeepSpeedBackend)
     out = group.train_step(batch, objective, max_rows=3 if packing else 1)
     assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
@@ -157,14 +162,16 @@ def test_critic_step_is_exact_across_the_split(group, tiny, packing) -> None:
 def test_save_load_resumes_the_next_step_exactly(group, tiny, tokenizer, tmp_path) -> None:
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
-    group.build(config(tiny, stage=2))
+    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
     group.train_step(batch, objective, max_rows=3)
     path = group.save(str(tmp_path), 1, client_state={"step": 1, "data_position": 6}, keep=2)
     uninterrupted = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
-    group.build(config(tiny, stage=2))  # a new run from the initial weights
+    group.build(
+        config(tiny, stage=2), backend=DeepSpeedBackend
+    )  # a new run from the initial weights
     fresh = group.train_step(batch, objective, max_rows=3)
     assert fresh["loss"] != pytest.approx(uninterrupted[0]["loss"])
-    group.build(config(tiny, stage=2))
+    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
     assert group.load(path) == {"step": 1, "data_position": 6}
     resumed = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
     for a, b in zip(resumed, uninterrupted, strict=True):
@@ -181,12 +188,12 @@ def test_offloaded_states_come_back_and_training_continues_exactly(
     leaves the next steps bit-identical to steps without it."""
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
-    group.build(config(tiny, stage=stage))
+    group.build(config(tiny, stage=stage), backend=DeepSpeedBackend)
     group.train_step(batch, objective, max_rows=3)
     expected = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
     expected_state = full_state(group)
 
-    group.build(config(tiny, stage=stage))
+    group.build(config(tiny, stage=stage), backend=DeepSpeedBackend)
     group.train_step(batch, objective, max_rows=3)
     group.offload_states(weights=False)
     offloaded = group.run(lambda backend: backend.offloaded_states())
@@ -206,18 +213,20 @@ def test_offloaded_states_come_back_and_training_continues_exactly(
 
 def test_offload_states_is_refused_where_deepspeed_cannot_move_partitions(group, tiny) -> None:
     for stage in (0, 3):
-        group.build(config(tiny, stage=stage))
+        group.build(config(tiny, stage=stage), backend=DeepSpeedBackend)
         with pytest.raises(RuntimeError, match=f"zero_stage 1 or 2 \\(got {stage}\\)"):
             group.offload_states()
-    group.build(config(tiny, stage=2, optimizer=False))
+    group.build(config(tiny, stage=2, optimizer=False), backend=DeepSpeedBackend)
     with pytest.raises(RuntimeError, match="needs a training role"):
         group.offload_states()
 
 
 def test_foreign_and_partial_checkpoints_are_refused(group, tiny, tmp_path) -> None:
-    group.build(config(tiny, stage=2))
+    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
     good = group.save(str(tmp_path), 3, client_state={"step": 3})
-    group.build(config(tiny, stage=2, kind="scalar"))  # another model: a score head, no lm_head
+    group.build(
+        config(tiny, stage=2, kind="scalar"), backend=DeepSpeedBackend
+    )  # another model: a score head, no lm_head
     with pytest.raises(
         CheckpointError,
         match=r"written for another model \(parameters it lacks: \['score.bias', 'score.weight'\]",
@@ -232,11 +241,11 @@ def test_foreign_and_partial_checkpoints_are_refused(group, tiny, tmp_path) -> N
 
 def test_missing_model_path_fails_the_build_clearly(group, tmp_path) -> None:
     with pytest.raises(ModelLoadError, match=r"model path '.*missing' does not exist"):
-        group.build(config(tmp_path / "missing", stage=2))
+        group.build(config(tmp_path / "missing", stage=2), backend=DeepSpeedBackend)
 
 
 def test_zero3_export_round_trips_and_buckets_reassemble(group, tiny, tokenizer, tmp_path) -> None:
-    group.build(config(tiny, stage=3))
+    group.build(config(tiny, stage=3), backend=DeepSpeedBackend)
     batch = sft_batch(tokenizer)
     group.train_step(batch, SFTObjective(normalizer=float(batch["loss_mask"].sum())), max_rows=3)
     state = full_state(group)
@@ -256,24 +265,18 @@ def test_zero3_export_round_trips_and_buckets_reassemble(group, tiny, tokenizer,
         torch.testing.assert_close(logits, theirs[rows, :width], rtol=1e-5, atol=1e-5)
 
     def buckets(backend, bucket_bytes):
-        sizes = [int(torch.tensor(shape).prod()) * 4 for shape in backend.fingerprint().values()]
-        total = count_buckets(sizes, bucket_bytes)
-        out = [
-            (h, b.clone())
-            for h, b in iter_buckets(
-                backend.named_full_parameters(), version=7, bucket_bytes=bucket_bytes, total=total
-            )
-        ]
-        return out if backend.rank == 0 else None
+        """On both ranks (the gathers are collective); only rank 0 gets buckets."""
+        return list(stream_weights(backend, version=7, bucket_bytes=bucket_bytes))
 
-    sync = group.run(buckets, 16 * 1024)[0]
-    assert len(sync) > 1 and {h["total"] for h, _ in sync} == {len(sync)}
-    back = {}
-    for header, buffer in sync:
-        for name, dtype, shape, offset, _ in header["tensors"]:
-            assert dtype == "float32"
-            n = int(torch.tensor(shape).prod()) * 4
-            back[name] = buffer[offset : offset + n].view(torch.float32).view(shape)
+    per_rank = group.run(buckets, 16 * 1024)
+    sync, other = per_rank
+    assert other == []
+    sizes = [int(torch.tensor(shape).prod()) * 4 for shape in state_shapes(state)]
+    assert len(sync) == count_buckets(sizes, 16 * 1024) > 1
+    sync = [b.with_total(len(sync)) for b in sync]
+    expected = {k: (tuple(v.shape), "float32") for k, v in state.items()}
+    assert validate_sync(sync, expected=expected) == 7
+    back = dict(iter_tensors(sync))
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
 
@@ -294,7 +297,7 @@ def test_reward_model_learns_a_separable_preference(group, tiny, tokenizer, tmp_
         )
 
     train, held_out = pairs(range(8)), pairs(range(10, 16))
-    group.build(config(tiny, stage=2, kind="scalar", lr=3e-3))
+    group.build(config(tiny, stage=2, kind="scalar", lr=3e-3), backend=DeepSpeedBackend)
 
     def score(model, batch):
         return sequence_scores(model, batch.input_ids, batch.attention_mask)
@@ -335,7 +338,7 @@ def test_dpo_raises_preference_accuracy(group, tiny, tokenizer) -> None:
     reference = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     with torch.no_grad():
         batch.fields["ref_logps"] = sequence_logps(reference, batch)
-    group.build(config(tiny, stage=2, lr=2e-3))
+    group.build(config(tiny, stage=2, lr=2e-3), backend=DeepSpeedBackend)
     objective = DPOObjective(normalizer=8.0, beta=0.1)
     first = group.train_step(batch, objective, max_rows=16)
     for _ in range(10):
@@ -358,7 +361,7 @@ def test_offloaded_eval_only_reference_matches_a_local_forward(group, tiny, toke
         optimizer=None,
         deepspeed=DeepSpeedConfig(zero_stage=3, offload_params=True),
     )
-    group.build(cfg)
+    group.build(cfg, backend=DeepSpeedBackend)
     batch = sft_batch(tokenizer)
 
     def logprobs(model, b):
@@ -417,7 +420,7 @@ def test_caller_made_micro_batches_are_exact_across_ranks(group, tiny, tokenizer
     optimizer.step()
     scheduler.step()
 
-    group.build(cfg)
+    group.build(cfg, backend=DeepSpeedBackend)
     out = group.train_micro_batches([_pairs(batch, c) for c in chunks], objective)
     assert out["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
     assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
@@ -435,7 +438,7 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(
         optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0),
         deepspeed=DeepSpeedConfig(zero_stage=stage),
     )
-    fp = group.build(cfg)
+    fp = group.build(cfg, backend=DeepSpeedBackend)
     assert any(".lora_A." in name for name in fp)
 
     def raw(backend):
@@ -481,7 +484,7 @@ def test_ema_follows_the_weights_and_survives_a_checkpoint(
         optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0, ema_decay=0.5),
         deepspeed=DeepSpeedConfig(zero_stage=stage),
     )
-    group.build(cfg)
+    group.build(cfg, backend=DeepSpeedBackend)
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
     w = [full_state(group)]
@@ -503,7 +506,7 @@ def test_ema_follows_the_weights_and_survives_a_checkpoint(
     assert group.train_step(batch, objective, max_rows=3)["loss"] == pytest.approx(
         expected_loss, rel=1e-5
     )
-    group.build(cfg)
+    group.build(cfg, backend=DeepSpeedBackend)
     group.load(path)
     restored = group.run(lambda backend: backend.state_dict_on_rank0(ema=True))[0]
     assert all(torch.equal(restored[k], ema[k]) for k in ema)

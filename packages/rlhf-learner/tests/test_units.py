@@ -1,9 +1,7 @@
-"""Backend-neutral parts: schedule, parameter groups, batching, data rows, buckets, checkpoint
-layout, and the objectives against rlhf.algos on a real model in one process."""
+"""Backend-neutral parts: schedule, parameter groups, batching, data rows, checkpoint layout,
+and the objectives against rlhf.algos on a real model in one process."""
 
-import json
 import math
-import zlib
 
 import pytest
 import torch
@@ -19,8 +17,6 @@ from rlhf.learner import (
     PPOActorObjective,
     SFTObjective,
     collate,
-    count_buckets,
-    iter_buckets,
     latest_checkpoint,
     load_model,
     lr_lambda,
@@ -131,46 +127,6 @@ def test_preference_rows(tokenizer) -> None:
         preference_row({"prompt": "p", "chosen": "c"}, 2, tokenizer)
 
 
-def test_buckets_reassemble_and_checksums_follow_the_format() -> None:
-    gen = torch.Generator().manual_seed(0)
-    state = {
-        "a.weight": torch.randn(10, 7, generator=gen),
-        "b.bias": torch.randn(3, generator=gen).to(torch.bfloat16),
-        "c.weight": torch.randn(40, generator=gen),
-        "d": torch.arange(5),
-    }
-    sizes = [t.numel() * t.element_size() for t in state.values()]
-    total = count_buckets(sizes, 300)
-    buckets = list(iter_buckets(state.items(), version=3, bucket_bytes=300, total=total))
-    # a: 280 bytes | b: 6 at 0, c: 160 at 64, d: 40 at 256 → 296 <= 300.
-    assert len(buckets) == total == 2
-    assert [[t[3] for t in h["tensors"]] for h, _ in buckets] == [[0], [0, 64, 256]]
-    back = {}
-    for header, buffer in buckets:
-        raw = buffer.numpy().tobytes()
-        assert header["nbytes"] == len(raw)
-        assert header["checksum"] == f"{len(raw):x}-{zlib.crc32(raw):08x}"
-        assert json.loads(json.dumps(header)) == header  # plain data
-        for name, dtype, shape, offset, digest in header["tensors"]:
-            assert offset % 64 == 0
-            t = state[name]
-            piece = raw[offset : offset + t.numel() * t.element_size()]
-            assert digest == f"{len(piece):x}-{zlib.crc32(piece):08x}"
-            back[name] = torch.frombuffer(bytearray(piece), dtype=t.dtype).view(shape)
-            assert dtype == str(t.dtype).removeprefix("torch.")
-    assert all(torch.equal(back[k], v) for k, v in state.items())
-    with pytest.raises(ValueError, match="announced"):
-        list(iter_buckets(state.items(), version=3, bucket_bytes=300, total=3))
-
-
-def test_wsum64_by_hand() -> None:
-    from rlhf.learner.weights import CHECKSUMS
-
-    # Words (little endian) 1 and 2 after zero padding of 9 bytes to 16: s1 = 3, s2 = 1·1 + 3·2.
-    data = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 2], dtype=torch.uint8)
-    assert CHECKSUMS["wsum64"](data) == f"9-{3:016x}{7:016x}"
-
-
 def test_checkpoint_layout_finalize_rotate_and_refuse(tmp_path) -> None:
     fp = {"w": [2, 3]}
     for step in (1, 2, 3):
@@ -264,13 +220,3 @@ def test_sft_objective_is_token_mean_nll(tiny, tokenizer) -> None:
     )
     expected = (nll * mask[:, 1:]).sum() / mask.sum()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-
-
-def test_cuda_ipc_sender_refuses_host_buffers_and_empty_syncs() -> None:
-    from rlhf.learner import iter_buckets, share_cuda_ipc
-
-    pairs = iter_buckets([("w", torch.ones(4))], version=1, bucket_bytes=1 << 10, total=1)
-    with pytest.raises(ValueError, match="CUDA IPC shares 1-D uint8 CUDA buffers"):
-        share_cuda_ipc(pairs)
-    with pytest.raises(ValueError, match="needs at least one bucket"):
-        share_cuda_ipc([])

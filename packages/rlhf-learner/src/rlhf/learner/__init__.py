@@ -1,14 +1,17 @@
 """rlhf.learner: the training side of rlhf.
 
-Backend-neutral parts (configs, batches, objectives, checkpoint layout, weight buckets, data
-rows) import with torch and transformers alone; `DeepSpeedBackend` needs ``rlhf-learner
-[deepspeed]`` and `LearnerGroup` ``rlhf-learner[ray]``, both imported lazily. It may import
-``rlhf.algos`` only.
+The RL phases (`make_experience`, `ppo_update`) over a typed `Experience`, written against the
+`Role` protocol that `InProcessRole` (one rank here) and `LearnerGroup` (ranks as Ray actors)
+implement; the `Backend` protocol those run, given as a factory (`DeepSpeedBackend`; FSDP2 in
+``rlhf.molt``); objectives, configs, batches, checkpoints, data rows and weight streaming.
+Backend-neutral parts import with torch and transformers alone; `DeepSpeedBackend` needs
+``rlhf-learner[deepspeed]`` and `LearnerGroup` ``rlhf-learner[ray]``, both imported lazily. It
+may import ``rlhf.algos`` and ``rlhf.weights`` only.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from rlhf.learner.backend import Backend, Objective
+from rlhf.learner.backend import Backend, BackendFactory, Objective
 from rlhf.learner.batch import Batch, collate, micro_batches, shard
 from rlhf.learner.checkpoint import (
     CheckpointError,
@@ -24,8 +27,8 @@ from rlhf.learner.config import (
     ModelConfig,
     OptimizerConfig,
 )
-from rlhf.learner.cuda_ipc import CudaIpcShare, share_cuda_ipc
 from rlhf.learner.data import DataError, TokenRow, preference_row, sft_row
+from rlhf.learner.experience import Experience, Samples
 from rlhf.learner.forward import (
     Packed,
     batch_logprobs,
@@ -47,7 +50,18 @@ from rlhf.learner.objectives import (
     sequence_logps,
 )
 from rlhf.learner.optim import build_optimizer, lr_lambda, param_groups
-from rlhf.learner.weights import count_buckets, iter_buckets
+from rlhf.learner.phases import (
+    ActionLogprobs,
+    make_experience,
+    per_sequence,
+    per_token,
+    ppo_update,
+    sequence_scores_of,
+    shape_rewards,
+    token_values_of,
+)
+from rlhf.learner.role import InProcessRole, MicroBatching, Role
+from rlhf.learner.weights import send_weights, stream_weights
 
 if TYPE_CHECKING:
     from rlhf.learner.deepspeed_backend import DeepSpeedBackend
@@ -69,17 +83,21 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ROLE_KINDS",
+    "ActionLogprobs",
     "Backend",
+    "BackendFactory",
     "Batch",
     "CheckpointError",
     "CriticObjective",
-    "CudaIpcShare",
     "DPOObjective",
     "DataError",
     "DeepSpeedBackend",
     "DeepSpeedConfig",
+    "Experience",
+    "InProcessRole",
     "LearnerConfig",
     "LearnerGroup",
+    "MicroBatching",
     "ModelConfig",
     "ModelLoadError",
     "Objective",
@@ -87,7 +105,9 @@ __all__ = [
     "PPOActorObjective",
     "Packed",
     "RewardModelObjective",
+    "Role",
     "SFTObjective",
+    "Samples",
     "TokenRow",
     "batch_logprobs",
     "build_optimizer",
@@ -96,24 +116,30 @@ __all__ = [
     "check_packing",
     "collate",
     "complete_checkpoints",
-    "count_buckets",
     "final_dir",
     "fingerprint",
-    "iter_buckets",
     "latest_checkpoint",
     "lm_head_parts",
     "load_model",
     "lr_lambda",
+    "make_experience",
     "micro_batches",
     "pack",
     "param_groups",
+    "per_sequence",
+    "per_token",
+    "ppo_update",
     "preference_row",
+    "send_weights",
     "sequence_logps",
     "sequence_scores",
+    "sequence_scores_of",
     "sft_row",
+    "shape_rewards",
     "shard",
-    "share_cuda_ipc",
     "staging_dir",
+    "stream_weights",
     "token_logprobs",
     "token_values",
+    "token_values_of",
 ]

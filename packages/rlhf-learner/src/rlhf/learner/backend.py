@@ -1,19 +1,23 @@
-"""The learner backend protocol: what trainers and RL roles are written against.
+"""The learner backend protocol: one rank of one role, whatever trains it underneath.
 
 A backend owns one rank's share of one role's model (and optimizer). DeepSpeed
-(`rlhf.learner.deepspeed_backend`) and FSDP2 (``rlhf.molt``) implement it; trainers never touch
-the engine underneath.
+(`rlhf.learner.deepspeed_backend`) and FSDP2 (``rlhf.molt``) implement it; `LearnerGroup`,
+`InProcessRole` and the phases (`make_experience`, `ppo_update`) are written against it and
+never touch the engine underneath. Backends are handed over as factories
+(``LearnerGroup.build(config, backend=DeepSpeedBackend)``), so this package's group code never
+imports a concrete one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from rlhf.learner.batch import Batch
+from rlhf.learner.config import LearnerConfig
 
 
 class Objective(Protocol):
@@ -28,25 +32,43 @@ class Objective(Protocol):
 class Backend(Protocol):
     """One rank of one role.
 
-    ``rank`` / ``world_size`` are the data-parallel coordinates; ``module`` the unwrapped model.
+    ``rank`` / ``world_size`` are the data-parallel coordinates, ``device`` the rank's device,
+    ``module`` the unwrapped model. Methods that gather or reduce are collective: every rank of
+    the role calls them together.
     """
 
     rank: int
     world_size: int
+    device: torch.device
 
     @property
     def module(self) -> torch.nn.Module: ...
 
-    def train_step(self, micro_batches: Sequence[Batch], objective: Objective) -> dict[str, float]:
-        """Forward/backward every micro-batch of this rank, then one optimizer step.
+    def fingerprint(self) -> dict[str, list[int]]:
+        """Parameter names → full shapes (what a checkpoint is checked against)."""
+        ...
 
-        Returns ``loss`` (this rank's sum of shares: the ranks' values add up to the global
-        loss), the other metrics averaged over micro-batches, ``grad_norm`` and ``lr``.
+    def train_micro_batches(
+        self,
+        micro_batches: Sequence[Batch],
+        objective: Objective,
+        *,
+        weights: Sequence[float] | None = None,
+    ) -> dict[str, float]:
+        """Forward/backward every micro-batch of this rank (each share scaled by its weight,
+        default 1), then one optimizer step; collective.
+
+        Returns ``loss`` (this rank's weighted sum of shares: the ranks' values add up to the
+        global loss), the other metrics averaged over micro-batches of positive weight,
+        ``grad_norm`` and ``lr``.
         """
         ...
 
-    def forward(self, micro_batches: Sequence[Batch], fn: Any) -> list[Any]:
-        """``fn(model, batch)`` for every micro-batch without gradient, in eval mode."""
+    def forward_micro_batches(
+        self, micro_batches: Sequence[Batch], fn: Callable[[Any, Batch], Any]
+    ) -> list[Any]:
+        """``fn(model, batch)`` for every micro-batch without gradient, in eval mode; results
+        on the CPU; collective."""
         ...
 
     def save_checkpoint(self, directory: str, *, client_state: Mapping[str, Any]) -> None:
@@ -57,10 +79,34 @@ class Backend(Protocol):
         """Restore model, optimizer, scheduler and RNG states; return the client state."""
         ...
 
-    def export_hf(self, directory: str) -> None:
-        """Write a transformers checkpoint of the full model (rank 0 writes)."""
+    def export_hf(self, directory: str, *, ema: bool = False) -> None:
+        """Write a transformers checkpoint of the full model (or its EMA) (rank 0 writes)."""
         ...
 
     def named_full_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """Every parameter unsharded, in checkpoint names (all ranks iterate together)."""
+        """Every parameter unsharded, in checkpoint names, one at a time (all ranks iterate
+        together); a yielded tensor is valid until the next is requested."""
         ...
+
+    def state_dict_on_rank0(self, *, ema: bool = False) -> dict[str, Tensor] | None:
+        """The full model state (or its EMA) on the CPU at rank 0, None elsewhere."""
+        ...
+
+    def offload_states(self, *, weights: bool = True) -> dict[str, float]:
+        """Optimizer states, master weights and gradients (with ``weights`` the model weights
+        too) to host memory while colocated engines use the device; returns
+        ``allocated_gib_before`` / ``allocated_gib_after``."""
+        ...
+
+    def reload_states(self) -> dict[str, float]:
+        """Undo `offload_states`; same return value."""
+        ...
+
+    def close(self) -> None:
+        """Release the model and optimizer (the process group stays)."""
+        ...
+
+
+BackendFactory = Callable[[LearnerConfig], Backend]
+"""Builds one rank's backend from the role's config in the rank's process (a class such as
+`rlhf.learner.DeepSpeedBackend`, or any picklable callable)."""

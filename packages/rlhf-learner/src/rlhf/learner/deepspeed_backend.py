@@ -4,10 +4,10 @@ ZeRO 0–3, optimizer/parameter CPU offload, bf16 with fp32 master weights, grad
 torch AdamW with the schedule of `rlhf.learner.optim` (no compiled extension is needed).
 
 Gradient accumulation is caller-owned (DeepSpeed's ``managed_gradient_accumulation=false``):
-one `train_step` runs every micro-batch of this rank, then one optimizer step, whatever the
-number of micro-batches. DeepSpeed averages gradients over data-parallel ranks, so each share
-is multiplied by the world size: the gradient is then exactly that of the global loss the
-objectives' normaliser defines. ZeRO-2/3 reduce inside every backward (and ZeRO-3 gathers
+one `train_micro_batches` call runs every micro-batch of this rank, then one optimizer step,
+whatever the number of micro-batches. DeepSpeed averages gradients over data-parallel ranks, so
+each share is multiplied by the world size: the gradient is then exactly that of the global
+loss the objectives' normaliser defines. ZeRO-2/3 reduce inside every backward (and ZeRO-3 gathers
 parameters inside every forward), so all ranks must run the same number of passes: a rank with
 fewer micro-batches repeats its first one with weight 0.
 
@@ -171,19 +171,19 @@ class DeepSpeedBackend:
         return int(n.item())
 
     # -- training ------------------------------------------------------------------------
-    def train_step(
+    def train_micro_batches(
         self,
         micro_batches: Sequence[Batch],
         objective: Objective,
         *,
         weights: Sequence[float] | None = None,
     ) -> dict[str, float]:
-        """See `Backend.train_step`. ``weights`` (default 1 each) scale micro-batches; a
-        driver pads ranks with weight-0 copies where it has to."""
+        """See `Backend.train_micro_batches`. ``weights`` (default 1 each) scale micro-batches;
+        a driver pads ranks with weight-0 copies where it has to."""
         if self.engine is None or self.config.optimizer is None:
             raise RuntimeError("this role is eval-only (no optimizer); it cannot train")
         if not micro_batches:
-            raise ValueError("train_step needs at least one micro-batch on every rank")
+            raise ValueError("train_micro_batches needs at least one micro-batch on every rank")
         scale = [1.0] * len(micro_batches) if weights is None else list(weights)
         passes = self._passes(len(micro_batches))
         self.engine.train()
@@ -215,10 +215,10 @@ class DeepSpeedBackend:
         self._module.eval()
         return out
 
-    def forward(self, micro_batches: Sequence[Batch], fn: Any) -> list[Any]:
+    def forward_micro_batches(self, micro_batches: Sequence[Batch], fn: Any) -> list[Any]:
         """``fn(model, batch)`` per micro-batch, no gradient, eval mode; results on the CPU."""
         if not micro_batches:
-            raise ValueError("forward needs at least one micro-batch on every rank")
+            raise ValueError("forward_micro_batches needs at least one micro-batch on every rank")
         passes = self._passes(len(micro_batches))
         runner = self._runner()
         self._module.eval()

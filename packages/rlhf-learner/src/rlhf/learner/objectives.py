@@ -5,7 +5,7 @@ it to every rank: ``objective(model, batch) -> (loss_share, metrics)``. ``normal
 global normaliser of the whole step (all micro-batches on all ranks), computed by the driver
 with `rlhf.algos.loss_normalizer` (or the number of sequences/pairs); the shares then add up to
 exactly the full-batch loss, however the batch is split. Backends undo their own data-parallel
-averaging (`Backend.train_step`), so gradients are those of that full-batch loss.
+averaging (`Backend.train_micro_batches`), so gradients are those of that full-batch loss.
 
 - `PPOActorObjective`: policy loss (`rlhf.algos.policy_loss`), optional train/rollout
   correction, KL loss (k1/k2/k3 against the reference) and entropy bonus.

@@ -1,8 +1,12 @@
 """A role's ranks as Ray actors: one process per data-parallel rank, set up for
 ``torch.distributed`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
-`LearnerGroup` splits work across its ranks and gathers results; the driver (the CLI) never
-holds model weights. Ray is imported when a group is created (``rlhf-learner[ray]``).
+`LearnerGroup` is a `rlhf.learner.Role`: it splits work across its ranks (`rlhf.learner.role.
+deal`, as `InProcessRole` does) and gathers results; the driver never holds model weights.
+Each rank builds its backend with the factory `LearnerGroup.build` is given, so this module
+knows no concrete backend. A group method that shares a name with a `Backend` method takes the
+same arguments and runs it on every rank. Ray is imported when a group is created
+(``rlhf-learner[ray]``).
 """
 
 from __future__ import annotations
@@ -13,8 +17,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlhf.learner import checkpoint as ckpt
-from rlhf.learner.batch import Batch, micro_batches, shard
+from rlhf.learner.backend import BackendFactory, Objective
+from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
+from rlhf.learner.role import (
+    ForwardFn,
+    RowResults,
+    deal,
+    merge_train_metrics,
+    rank_work,
+    row_results,
+)
 
 
 class RankWorker:
@@ -31,23 +44,21 @@ class RankWorker:
         self.rank = rank
         self.backend: Any = None
 
-    def build(self, config: LearnerConfig) -> dict[str, list[int]]:
-        """(Re)build the role's backend; returns the model's fingerprint."""
-        from rlhf.learner.deepspeed_backend import DeepSpeedBackend
-
+    def build(self, config: LearnerConfig, backend: BackendFactory) -> dict[str, list[int]]:
+        """(Re)build the role's backend with the factory; returns the model's fingerprint."""
         if self.backend is not None:
             self.backend.close()
             self.backend = None
-        self.backend = DeepSpeedBackend(config)
+        self.backend = backend(config)
         return self.backend.fingerprint()
 
-    def train_step(
-        self, micro: Sequence[Batch], objective: Any, weights: Sequence[float]
+    def train_micro_batches(
+        self, micro: Sequence[Batch], objective: Objective, weights: Sequence[float] | None
     ) -> dict[str, float]:
-        return self.backend.train_step(micro, objective, weights=weights)
+        return self.backend.train_micro_batches(micro, objective, weights=weights)
 
-    def forward(self, micro: Sequence[Batch], fn: Any) -> list[Any]:
-        return self.backend.forward(micro, fn)
+    def forward_micro_batches(self, micro: Sequence[Batch], fn: ForwardFn) -> list[Any]:
+        return self.backend.forward_micro_batches(micro, fn)
 
     def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> None:
         self.backend.save_checkpoint(directory, client_state=client_state)
@@ -68,7 +79,7 @@ class RankWorker:
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         return self.backend.load_checkpoint(directory)
 
-    def export_hf(self, directory: str, ema: bool = False) -> None:
+    def export_hf(self, directory: str, ema: bool) -> None:
         self.backend.export_hf(directory, ema=ema)
 
     def offload_states(self, weights: bool) -> dict[str, float]:
@@ -81,6 +92,11 @@ class RankWorker:
         """``fn(backend, *args)`` in this rank's process."""
         return fn(self.backend, *args)
 
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -89,7 +105,7 @@ def _free_port() -> int:
 
 
 class LearnerGroup:
-    """The ranks of one role.
+    """The ranks of one role, as Ray actors; a `rlhf.learner.Role`.
 
     Args:
         num_ranks: Data-parallel ranks (processes).
@@ -144,89 +160,85 @@ class LearnerGroup:
             ]
         return ray.get(refs)
 
-    def build(self, config: LearnerConfig) -> dict[str, list[int]]:
-        """Build the role on every rank (they meet in one process group)."""
+    def build(self, config: LearnerConfig, *, backend: BackendFactory) -> dict[str, list[int]]:
+        """(Re)build the role on every rank with the ``backend`` factory (e.g.
+        `rlhf.learner.DeepSpeedBackend`; the ranks meet in one process group); returns the
+        model's fingerprint."""
         self.packing_samples = config.model.packing_samples
-        return self._all("build", config)[0]
+        return self._all("build", config, backend)[0]
 
     def split(
         self, batch: Batch, *, max_tokens: int | None = None, max_rows: int | None = None
     ) -> list[tuple[list[Batch], list[float]]]:
-        """Micro-batches of ``batch`` dealt to ranks; ranks left without one get a weight-0
-        copy of the first (every rank must run the same collectives)."""
-        groups = micro_batches(
-            batch, max_tokens=max_tokens, max_rows=max_rows, packing_samples=self.packing_samples
+        """Micro-batches of ``batch`` dealt to ranks, with their weights; ranks left without
+        one get a weight-0 copy of the first (every rank must run the same collectives)."""
+        return self._split(batch, max_tokens, max_rows)[0]
+
+    def _split(
+        self, batch: Batch, max_tokens: int | None, max_rows: int | None
+    ) -> tuple[list[tuple[list[Batch], list[float]]], list[list[list[int]]]]:
+        groups, dealt = deal(
+            batch,
+            world_size=self.world_size,
+            max_tokens=max_tokens,
+            max_rows=max_rows,
+            packing_samples=self.packing_samples,
         )
-        out = []
-        for rows in shard(groups, self.world_size):
-            if rows:
-                out.append(([batch.select(r) for r in rows], [1.0] * len(rows)))
-            else:
-                out.append(([batch.select(groups[0])], [0.0]))
-        return out
+        return rank_work(batch, groups, dealt), dealt
 
     def train_step(
         self,
         batch: Batch,
-        objective: Any,
+        objective: Objective,
         *,
         max_tokens: int | None = None,
         max_rows: int | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on ``batch`` split over the ranks. ``loss`` is the global loss
-        (the sum of the ranks' shares); other metrics are averaged over the ranks that had
-        data."""
+        """`rlhf.learner.Role.train_step`: one optimizer step on ``batch`` split over the
+        ranks."""
         parts = self.split(batch, max_tokens=max_tokens, max_rows=max_rows)
         return self._train(parts, objective)
 
-    def train_micro_batches(self, micro: Sequence[Batch], objective: Any) -> dict[str, float]:
-        """One optimizer step over micro-batches the caller made (e.g. whole preference
-        pairs), dealt round-robin to the ranks; ranks left without one run a weight-0 copy."""
-        if not micro:
+    def train_micro_batches(
+        self,
+        micro_batches: Sequence[Batch],
+        objective: Objective,
+        *,
+        weights: Sequence[float] | None = None,
+    ) -> dict[str, float]:
+        """`Backend.train_micro_batches` over micro-batches the caller made (e.g. whole
+        preference pairs), dealt round-robin to the ranks; ranks left without one run a
+        weight-0 copy. ``loss`` is the global loss."""
+        if not micro_batches:
             raise ValueError("train_micro_batches needs at least one micro-batch")
-        dealt: list[list[Batch]] = [
-            list(micro[r :: self.world_size]) for r in range(self.world_size)
-        ]
-        parts = [(m, [1.0] * len(m)) if m else ([micro[0]], [0.0]) for m in dealt]
+        scale = [1.0] * len(micro_batches) if weights is None else list(weights)
+        n = self.world_size
+        parts = [
+            (list(micro_batches[r::n]), scale[r::n]) if micro_batches[r::n]
+            else ([micro_batches[0]], [0.0])
+            for r in range(n)
+        ]  # fmt: skip
         return self._train(parts, objective)
 
     def _train(
-        self, parts: list[tuple[list[Batch], list[float]]], objective: Any
+        self, parts: list[tuple[list[Batch], list[float]]], objective: Objective
     ) -> dict[str, float]:
-        results = self._all("train_step", per_rank=[(m, objective, w) for m, w in parts])
-        keys = {k for r in results for k in r}
-        # A rank that only ran a weight-0 pass reports no metrics of its own.
-        merged = {
-            k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys
-        }
-        merged["loss"] = sum(r["loss"] for r in results)
-        merged["grad_norm"] = results[0]["grad_norm"]
-        merged["lr"] = results[0]["lr"]
-        return merged
+        results = self._all("train_micro_batches", per_rank=[(m, objective, w) for m, w in parts])
+        return merge_train_metrics(results)
 
     def forward(
         self,
         batch: Batch,
-        fn: Any,
+        fn: ForwardFn,
         *,
         max_tokens: int | None = None,
         max_rows: int | None = None,
-    ) -> list[Any]:
-        """``fn(model, micro_batch)`` over ``batch`` on all ranks; results per micro-batch in
-        row order, with the rows of each (``[(rows, result), ...]``)."""
-        groups = micro_batches(
-            batch, max_tokens=max_tokens, max_rows=max_rows, packing_samples=self.packing_samples
-        )
-        dealt = shard(groups, self.world_size)
-        args = [
-            ([batch.select(r) for r in rows] if rows else [batch.select(groups[0])], fn)
-            for rows in dealt
-        ]
-        results = self._all("forward", per_rank=args)
-        pairs = []
-        for rows, res in zip(dealt, results, strict=True):
-            pairs += list(zip(rows, res[: len(rows)], strict=True))
-        return sorted(pairs, key=lambda p: p[0][0])
+    ) -> RowResults:
+        """`rlhf.learner.Role.forward` on every rank; ``[(rows, result), ...]`` in row
+        order."""
+        work, dealt = self._split(batch, max_tokens, max_rows)
+        results = self._all("forward_micro_batches", per_rank=[(m, fn) for m, _ in work])
+        return row_results(dealt, results)
 
     def save(
         self, root: str, step: int, *, client_state: Mapping[str, Any], keep: int | None = None

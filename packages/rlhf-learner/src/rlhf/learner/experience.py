@@ -1,0 +1,158 @@
+"""What the RL phases hand each other: `Samples` (rollout output, collated) and `Experience`
+(everything one PPO update trains on).
+
+Shapes: B samples, each right-padded to L tokens. Per-token tensors are aligned with the
+tokens: position ``t`` refers to token ``t`` (its log-prob is that of token ``t`` given the
+tokens before it; position 0 is never an action), as `rlhf.learner.Batch` and the rollout's
+trajectories align them. Prompt groups are consecutive: with n samples per prompt, rows
+``[k n, (k + 1) n)`` share a prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rlhf.learner.batch import Batch, collate
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> float:
+    """Mean of (B, L) ``values`` over the positions where ``mask`` is 1."""
+    return float((values * mask).sum() / mask.sum().clamp(min=1))
+
+
+@dataclass(frozen=True)
+class Samples:
+    """One step's rollout, collated.
+
+    Attributes:
+        sequences: (B, L) long token ids: prompt, the policy's actions and any environment
+            feedback, right-padded with 0.
+        attention_mask: (B, L) long, 1 on real tokens.
+        action_mask: (B, L) float, 1 where the policy produced the token.
+        rollout_logprobs: (B, L) float, the sampler's log-prob of each action token (0
+            elsewhere).
+        rewards: (B,) float, each sample's reward (an episode's sum for multi-turn runs).
+        truncated: (B,) bool, the sample hit the generation budget.
+    """
+
+    sequences: Tensor
+    attention_mask: Tensor
+    action_mask: Tensor
+    rollout_logprobs: Tensor
+    rewards: Tensor
+    truncated: Tensor
+
+    @classmethod
+    def collate(
+        cls,
+        *,
+        token_ids: Sequence[Sequence[int]],
+        action_mask: Sequence[Sequence[float]],
+        rollout_logprobs: Sequence[Sequence[float]],
+        rewards: Sequence[float],
+        truncated: Sequence[bool],
+        pad_token_id: int = 0,
+    ) -> Samples:
+        """Right-pad per-sample lists (as ``rlhf.agents.Trajectory`` holds them)."""
+        batch = collate(
+            token_ids,
+            pad_token_id=pad_token_id,
+            per_token={"action_mask": action_mask, "rollout_logprobs": rollout_logprobs},
+        )
+        return cls(
+            sequences=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            action_mask=batch["action_mask"],
+            rollout_logprobs=batch["rollout_logprobs"],
+            rewards=torch.tensor([float(r) for r in rewards]),
+            truncated=torch.tensor([bool(t) for t in truncated]),
+        )
+
+    @property
+    def size(self) -> int:
+        """B."""
+        return int(self.sequences.shape[0])
+
+    def batch(self) -> Batch:
+        """The samples as a learner `Batch` (fields ``action_mask``, ``rollout_logprobs``)."""
+        return Batch(
+            self.sequences,
+            self.attention_mask,
+            {"action_mask": self.action_mask, "rollout_logprobs": self.rollout_logprobs},
+        )
+
+
+@dataclass(frozen=True)
+class Experience:
+    """Everything one PPO update needs, made by `rlhf.learner.make_experience`.
+
+    Attributes:
+        sequences: (B, L) long token ids, right-padded.
+        attention_mask: (B, L) long, 1 on real tokens.
+        action_mask: (B, L) float, 1 on the action tokens that train (DAPO's overlong
+            filtering zeroes truncated samples' rows).
+        rollout_logprobs: (B, L) float, the sampler's log-probs (importance correction and
+            the sampler/learner gap metric).
+        old_logprobs: (B, L) float log π_old, the actor's before this update; None when one
+            optimizer step follows the rollout, where π_old is the policy itself (the actor
+            objective then uses its own detached log-probs and a forward pass is saved).
+        ref_logprobs: (B, L) float log π_ref of the reference model; None without a reference.
+        values: (B, L) float critic values V(s_t) before this update; None without a critic.
+        kl: (B, L) float per-token KL estimate of π_old (or the sampler) against π_ref; None
+            without a reference.
+        rewards: (B,) float reward before shaping (the samples' own, or the reward model's
+            scores).
+        shaped_rewards: (B,) float reward after length penalties, what advantages use.
+        advantages: (B, L) float, 0 off the action mask.
+        returns: (B, L) float value targets, 0 off the action mask.
+        truncated: (B,) bool, the sample hit the generation budget.
+        metrics: Scalar metrics of the phase (``reward/*``, ``rollout/*``, ``advantages/*``,
+            ``kl/mean``, ``check/*``).
+    """
+
+    sequences: Tensor
+    attention_mask: Tensor
+    action_mask: Tensor
+    rollout_logprobs: Tensor
+    old_logprobs: Tensor | None
+    ref_logprobs: Tensor | None
+    values: Tensor | None
+    kl: Tensor | None
+    rewards: Tensor
+    shaped_rewards: Tensor
+    advantages: Tensor
+    returns: Tensor
+    truncated: Tensor
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        """B."""
+        return int(self.sequences.shape[0])
+
+    @property
+    def mean_kl(self) -> float | None:
+        """Mean of ``kl`` over action tokens (what an adaptive KL controller follows)."""
+        return None if self.kl is None else masked_mean(self.kl, self.action_mask)
+
+    def batch(self) -> Batch:
+        """The fields the objectives read, as a learner `Batch`: ``action_mask``,
+        ``rollout_logprobs``, ``advantages``, ``returns`` and, when present, ``old_logprobs``,
+        ``ref_logprobs``, ``old_values``."""
+        fields = {
+            "action_mask": self.action_mask,
+            "rollout_logprobs": self.rollout_logprobs,
+            "advantages": self.advantages,
+            "returns": self.returns,
+        }
+        optional = {
+            "old_logprobs": self.old_logprobs,
+            "ref_logprobs": self.ref_logprobs,
+            "old_values": self.values,
+        }
+        fields.update({k: v for k, v in optional.items() if v is not None})
+        return Batch(self.sequences, self.attention_mask, fields)

@@ -14,7 +14,13 @@ experience, training, sync and the hybrid moves), and on GPUs the device memory 
 learners train and while the engines generate. Ratios: step time turn-taking / resident, free
 memory during training turn-taking / resident.
 
+With ``--baseline-python PATH`` it measures a change instead: the resident run with this
+interpreter's rlhf against the same run with another environment's (e.g. the previous
+commit's packages installed into a copy of the environment), alternating ``--rounds`` times;
+ratio: median step time ours / baseline, per phase too.
+
 Usage: python benchmarks/bench_cli.py [--size tiny|0.5b] [--steps 4] [--json out.json]
+       [--baseline-python PATH --rounds 3]
 (tiny on CPU, as ``nox -s bench -- cli`` runs it; 0.5b on the GPU machine).
 """
 
@@ -47,7 +53,14 @@ def prompts(path: pathlib.Path, n: int = 256) -> None:
             f.write(json.dumps({"input": f"{a} plus {b} is", "label": str(a + b)}) + "\n")
 
 
-def run(name: str, model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, args) -> dict:
+def run(
+    name: str,
+    model: pathlib.Path,
+    data: pathlib.Path,
+    root: pathlib.Path,
+    args,
+    python: str = sys.executable,
+) -> dict:
     gpu = torch.cuda.is_available()
     flags = [
         "--run_dir", str(root / name),
@@ -65,13 +78,13 @@ def run(name: str, model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, 
         "--vllm.gpu_memory_utilization", "0.5",
         *(["--actor.deepspeed.bf16", "True", "--vllm.dtype", "bfloat16"] if gpu else []),
     ]  # fmt: skip
-    if name == "resident":
+    if name.startswith("resident"):
         flags += ["--vllm.enable_sleep", "False", "--train.deepspeed_enable_sleep", "False"]
     else:
         flags += ["--train.deepspeed_enable_sleep", "True"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "rlhf.cli", "train", "grpo", *flags],
+        [python, "-m", "rlhf.cli", "train", "grpo", *flags],
         capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip
     if out.returncode:
@@ -90,12 +103,38 @@ def run(name: str, model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, 
     return result
 
 
+def compare(model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, args) -> dict:
+    """The resident run with this environment against ``--baseline-python``'s, alternating."""
+    runs: dict[str, list[dict]] = {"ours": [], "baseline": []}
+    pythons = {"ours": sys.executable, "baseline": args.baseline_python}
+    for r in range(args.rounds):
+        for name in ("ours", "baseline")[:: 1 if r % 2 == 0 else -1]:
+            result = run(f"resident-{name}-{r}", model, data, root, args, pythons[name])
+            runs[name].append(result)
+            print(name, r, json.dumps(result), flush=True)
+    med = {
+        name: {k: statistics.median(x[k] for x in results) for k in results[0]}
+        for name, results in runs.items()
+    }
+    report: dict = {"ours": med["ours"], "baseline": med["baseline"], "rounds": args.rounds}
+    for key in ("step_s", "generation_s", "experience_s", "training_s", "sync_s"):
+        report[f"ratio_{key.removesuffix('_s')}_ours_over_baseline"] = med["ours"][key] / max(
+            med["baseline"][key], 1e-9
+        )
+    report["per_round_step_ratios"] = [
+        a["step_s"] / b["step_s"] for a, b in zip(runs["ours"], runs["baseline"], strict=True)
+    ]
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--baseline-python", default="")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     root = pathlib.Path(tempfile.mkdtemp(prefix="bench-cli-"))
@@ -103,6 +142,12 @@ def main() -> None:
     model = make_checkpoint(root, args.size, dtype)
     data = root / "prompts.jsonl"
     prompts(data)
+    if args.baseline_python:
+        report = compare(model, data, root, args)
+        print(json.dumps({k: v for k, v in report.items() if "ratio" in k}, indent=1))
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+        return
     report: dict = {"size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu"}
     for name in ("turn-taking", "resident"):
         report[name] = run(name, model, data, root, args)

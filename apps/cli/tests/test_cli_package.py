@@ -17,7 +17,7 @@ def test_cli_version_train() -> None:
     version = importlib.metadata.version("rlhf-cli")
     requires = importlib.metadata.requires("rlhf-cli") or []
     siblings = [r for r in requires if r.startswith("rlhf-")]
-    assert len(siblings) == 5 and all(r.endswith(f"=={version}") for r in siblings), siblings
+    assert len(siblings) == 6 and all(r.endswith(f"=={version}") for r in siblings), siblings
 
 
 def test_every_public_name_is_documented_in_the_readme() -> None:

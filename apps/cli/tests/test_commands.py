@@ -140,6 +140,14 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
         ),
         (["--MODEL", "--data.input_key", "question"], "row 0 has no 'question' (--data.input_key)"),
         (
+            ["--MODEL", "--data.input_template", "Q: {question}"],
+            "--data.input_template 'Q: {question}' cannot wrap a prompt (KeyError('question'))",
+        ),
+        (
+            ["--MODEL", "--train.reward_func", "builtin:nope"],
+            "--train.reward_func=builtin:nope: no such builtin",
+        ),
+        (
             [
                 "--MODEL",
                 "--actor.model.chunked_lm_head",

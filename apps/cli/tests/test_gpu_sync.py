@@ -1,9 +1,9 @@
 """GPU, with ``-m gpu``: the learner's CUDA IPC sender half feeding the rollout's receiver.
 
-A learner-side process packs perturbed weights on the GPU (`rlhf.learner.iter_buckets`, wsum64)
-and shares them (`rlhf.learner.share_cuda_ipc`); the engine opens the handles
-(`rlhf.rollout.transports.cuda_ipc.receive_cuda_ipc`), loads with read-back verification, and
-then serves exactly those weights: its log-probs equal a transformers forward of them."""
+A learner-side process packs perturbed weights on the GPU (`rlhf.weights.iter_buckets`,
+wsum64) and shares them (`rlhf.weights.CudaIpcSender`); the engine opens the handles
+(`rlhf.weights.CudaIpcReceiver`), loads with read-back verification, and then serves exactly
+those weights: its log-probs equal a transformers forward of them."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ pytestmark = pytest.mark.gpu
 SENDER = r"""
 import base64, pickle, sys, torch
 from safetensors.torch import load_file
-from rlhf.learner import iter_buckets, share_cuda_ipc
+from rlhf.weights import CudaIpcSender, iter_buckets
 state = load_file(sys.argv[1] + "/model.safetensors")
 gen = torch.Generator().manual_seed(int(sys.argv[2]))
 new = {k: (v + 0.3 * torch.randn(v.shape, generator=gen)).cuda() for k, v in state.items()}
-pairs = iter_buckets(new.items(), version=5, bucket_bytes=1 << 16, total=None, device="cuda")
-share = share_cuda_ipc(pairs)
-print(base64.b64encode(pickle.dumps(share.sync)).decode(), flush=True)
+sender = CudaIpcSender()
+sync = sender.send(iter_buckets(new.items(), version=5, bucket_bytes=1 << 16, device="cuda"))
+print(base64.b64encode(pickle.dumps(sync)).decode(), flush=True)
 sys.stdin.readline()  # the buffers stay alive until the engine has loaded them
 """
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9], [10, 2, 11, 12, 13]]
@@ -70,7 +70,7 @@ def test_the_learners_cuda_ipc_sync_loads_into_a_gpu_engine(tmp_path) -> None:
         pytest.fail("the gpu tests need a CUDA GPU; run them on the device machine")
     from rlhf.agents import SamplingParams
     from rlhf.rollout import EngineConfig, VLLMEngine, check_logprobs
-    from rlhf.rollout.transports.cuda_ipc import receive_cuda_ipc
+    from rlhf.weights import CudaIpcReceiver
 
     path = _checkpoint(tmp_path / "model")
     engine = VLLMEngine(
@@ -92,7 +92,7 @@ def test_the_learners_cuda_ipc_sync_loads_into_a_gpu_engine(tmp_path) -> None:
     try:
         assert proc.stdout is not None and proc.stdin is not None
         sync = pickle.loads(base64.b64decode(proc.stdout.readline()))
-        assert engine.update_weights(receive_cuda_ipc(sync), verify=True) == 5
+        assert engine.update_weights(CudaIpcReceiver().receive(sync), verify=True) == 5
         proc.stdin.write("done\n")
         proc.stdin.flush()
         assert proc.wait(timeout=120) == 0

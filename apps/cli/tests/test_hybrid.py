@@ -15,8 +15,11 @@ class Recorder:
     def __init__(self, name: str, calls: list) -> None:
         self.name, self.calls = name, calls
 
-    def call(self, method: str, *args):  # a RayEngine's blocking call
-        self.calls.append((self.name, method, *args))
+    def sleep(self, level: int):  # a RayEngine's
+        self.calls.append((self.name, "sleep", level))
+
+    def wake_up(self, tags):  # a RayEngine's
+        self.calls.append((self.name, "wake_up", tags))
 
     def offload_states(self, *, weights: bool = True):
         self.calls.append((self.name, "offload_states", weights))

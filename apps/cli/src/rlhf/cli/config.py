@@ -9,7 +9,8 @@ import pathlib
 from dataclasses import dataclass, field
 
 from rlhf.algos import AlgoConfig
-from rlhf.learner import DeepSpeedConfig, ModelConfig, OptimizerConfig
+from rlhf.learner import DeepSpeedConfig, LearnerConfig, ModelConfig, OptimizerConfig
+from rlhf.rollout import EngineOptions
 
 
 class ConfigError(ValueError):
@@ -67,19 +68,14 @@ class RolloutConfig:
     max_len: int = 1024
 
 
-@dataclass(frozen=True)
-class VllmConfig:
-    """Rollout engines (flags ``--vllm.*``).
+@dataclass(frozen=True, kw_only=True)
+class VllmConfig(EngineOptions):
+    """Rollout engines (flags ``--vllm.*``): every engine's `rlhf.rollout.EngineOptions`
+    (``--vllm.dtype``, ``--vllm.enforce_eager``, ``--vllm.gpu_memory_utilization``, …) and
+    how many there are and how they are synced.
 
     Attributes:
         num_engines: vLLM engines (one Ray actor each).
-        tensor_parallel_size: GPUs per engine.
-        gpu_memory_utilization: Fraction of a GPU an engine may take.
-        dtype: Engine dtype (``auto`` follows the checkpoint).
-        enforce_eager: Skip CUDA graphs (faster start, slower steps).
-        enable_prefix_caching: Reuse KV of shared prompt prefixes.
-        max_num_seqs: Sequences per engine step.
-        cpu_kv_cache_gib: KV cache per engine on CPU.
         verify_sync: Read the weights back after every sync and compare checksums.
         num_cpus: CPUs each engine actor reserves in Ray.
         enable_sleep: Under ``--train.colocate_all`` on GPUs, the engines sleep while the
@@ -89,13 +85,6 @@ class VllmConfig:
     """
 
     num_engines: int = 1
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.6
-    dtype: str = "auto"
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    cpu_kv_cache_gib: int = 1
     verify_sync: bool = True
     num_cpus: float = 1.0
     enable_sleep: bool = True
@@ -120,6 +109,31 @@ class RoleConfig:
     num_ranks: int = 1
     num_gpus_per_rank: float = 0.0
     num_cpus_per_rank: float = 1.0
+
+    def learner(self, *, seed: int, total_steps: int, train: bool = True) -> LearnerConfig:
+        """The role for `rlhf.learner` (``train`` False: eval-only, no optimizer)."""
+        optimizer = dataclasses.replace(self.optimizer, total_steps=max(total_steps, 1))
+        return LearnerConfig(
+            model=self.model,
+            optimizer=optimizer if train else None,
+            deepspeed=self.deepspeed,
+            seed=seed,
+        )
+
+    def eval_only(self, *, offload: bool) -> RoleConfig:
+        """A scoring role modelled on this one (the reference, the reward model): one rank;
+        with ``offload``, ZeRO-3 with its parameters on the CPU between uses (the logits
+        path then, since ZeRO-3 shards the lm_head outside its forward)."""
+        role = dataclasses.replace(self, num_ranks=1)
+        if not offload:
+            return role
+        ds = dataclasses.replace(role.deepspeed, zero_stage=3, offload_params=True)
+        model = dataclasses.replace(role.model, chunked_lm_head=False)
+        return dataclasses.replace(role, deepspeed=ds, model=model)
+
+    def with_model(self, **changes: object) -> RoleConfig:
+        """This role with ``model`` fields changed."""
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, **changes))
 
 
 @dataclass(frozen=True)
@@ -270,7 +284,8 @@ class RLConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.algo.advantage.estimator == "gae"
+        """The estimator reads critic values (`rlhf.algos.EstimatorSpec.needs_critic`)."""
+        return self.algo.advantage.spec.needs_critic
 
     @property
     def uses_reference(self) -> bool:
@@ -282,7 +297,7 @@ class RLConfig:
             (not self.actor.model.path, "--actor.model.path is required"),
             (not self.data.prompt_data, "--data.prompt_data is required"),
             (
-                self.rollout.n_samples_per_prompt < 2 and self._group_estimator,
+                self.rollout.n_samples_per_prompt < 2 and self.algo.advantage.spec.needs_groups,
                 f"--algo.advantage.estimator={self.algo.advantage.estimator} compares samples "
                 "of a prompt: set --rollout.n_samples_per_prompt >= 2",
             ),
@@ -409,16 +424,6 @@ class RLConfig:
         if not self.train.colocate_all or flag is False:
             return False
         return flag is True or (gpu and self._offloadable_stages)
-
-    @property
-    def _group_estimator(self) -> bool:
-        return self.algo.advantage.estimator in (
-            "rloo",
-            "group_norm",
-            "grpo",
-            "dr_grpo",
-            "reinforce_baseline",
-        )
 
     @property
     def optimizer_steps_per_rollout(self) -> int:

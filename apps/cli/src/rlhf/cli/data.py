@@ -82,7 +82,13 @@ def render(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
         )
     elif config.input_template:
-        text = config.input_template.format(text)
+        try:
+            text = config.input_template.format(text)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise DataSourceError(
+                f"--data.input_template {config.input_template!r} cannot wrap a prompt ({exc!r}):"
+                " it takes the prompt as one positional '{}', e.g. 'Q: {}\\nA:'"
+            ) from None
     return Prompt(text, row[config.label_key], source)
 
 

@@ -83,7 +83,7 @@ class TurnTaking:
         if phase == "training":
             if self.sleep_engines and self.engines_awake:
                 for e in self.engines:
-                    e.call("sleep", 1)
+                    e.sleep(1)
                 self.engines_awake.clear()
             if self.offload_learners:
                 moved = self._each("reload_states")
@@ -96,7 +96,7 @@ class TurnTaking:
             missing = sorted(wanted - self.engines_awake)
             if missing:
                 for e in self.engines:
-                    e.call("wake_up", missing)
+                    e.wake_up(missing)
                 self.engines_awake |= wanted
         self.phase = phase
         out = {f"time/hybrid_{phase}_s": time.perf_counter() - tick}

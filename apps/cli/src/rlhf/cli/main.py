@@ -138,7 +138,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     except (
         ConfigError,
-        KeyError,
         DataSourceError,
         DataError,
         ModelLoadError,

@@ -12,6 +12,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from rlhf.cli.config import ConfigError, TrainConfig
+
 
 class MetricsSink(Protocol):
     """Where a run's metric rows go (one call per step or evaluation; ``row["step"]`` is the
@@ -155,6 +157,50 @@ class Sinks:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def open_sinks(
+    train: TrainConfig, *, run_dir: pathlib.Path, run_config: Mapping[str, Any], resume: bool
+) -> Sinks:
+    """``run_dir/metrics.jsonl`` and the sinks ``--train.use_tensorboard`` /
+    ``--train.use_wandb`` ask for (``run_config`` becomes the W&B run's config; ``resume``
+    continues the run's W&B run). A missing extra or credentials are a `ConfigError`."""
+    sinks: list[MetricsSink] = [MetricsLog(run_dir / "metrics.jsonl")]
+    try:
+        if train.use_tensorboard:
+            sinks.append(TensorBoardLog(pathlib.Path(train.use_tensorboard)))
+        if train.use_wandb:
+            sinks.append(
+                WandbLog(
+                    run_dir,
+                    config=dict(run_config),
+                    project=train.wandb_project,
+                    group=train.wandb_group,
+                    name=train.wandb_run_name,
+                    entity=train.wandb_org,
+                    resume=resume,
+                )
+            )
+    except (ImportError, RuntimeError) as exc:
+        for sink in sinks:
+            sink.close()
+        raise ConfigError(str(exc)) from exc
+    return Sinks(sinks)
+
+
+def summary_line(metrics: Mapping[str, Any]) -> str:
+    """A step's headline metrics as ``key=value`` pairs for the console."""
+    keys = [
+        k
+        for k in metrics
+        if k == "step"
+        or k.startswith(("reward/", "eval/", "time/"))
+        or k in ("rollout/response_length_mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
+    ]
+    return "  ".join(
+        f"{k}={metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k}={metrics[k]}"
+        for k in keys
+    )
 
 
 class Progress:

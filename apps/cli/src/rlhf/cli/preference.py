@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from rlhf.cli.config import ConfigError, RoleConfig
 from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import MetricsLog
@@ -113,38 +111,25 @@ def _pair_chunks(batch: Any, pairs_per_micro: int) -> list[Any]:
     return chunks
 
 
-def _row_values(group: Any, batch: Any, fn: Any, micro: int) -> torch.Tensor:
-    """``fn(model, micro_batch)`` -> (b,) per row, assembled into (B,) in row order."""
-    values = torch.zeros(batch.size)
-    for rows, out in group.forward(batch, fn, max_rows=micro):
-        values[rows] = out
-    return values
-
-
-def _logps(model: Any, batch: Any) -> torch.Tensor:
-    from rlhf.learner import sequence_logps
-
-    return sequence_logps(model, batch)
-
-
-def _scores(model: Any, batch: Any) -> torch.Tensor:
-    from rlhf.learner import sequence_scores
-
-    return sequence_scores(
-        model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
-    )
-
-
 def run_preference(
     config: PreferenceConfig, *, kind: str, echo: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Train a reward model (``kind="rm"``) or a DPO policy (``kind="dpo"``); export it to
     ``run_dir/final``. Returns held-out pair accuracy before and after when an eval set is
     given (RM: chosen scored higher; DPO: chosen's implicit reward higher)."""
-    import ray
     from transformers import AutoTokenizer
 
-    from rlhf.learner import DPOObjective, LearnerConfig, LearnerGroup, RewardModelObjective
+    from rlhf.cli.cluster import start_ray
+    from rlhf.learner import (
+        DeepSpeedBackend,
+        DPOObjective,
+        LearnerGroup,
+        MicroBatching,
+        RewardModelObjective,
+        per_sequence,
+        sequence_logps,
+        sequence_scores_of,
+    )
 
     if kind not in ("rm", "dpo"):
         raise ValueError(f"kind must be rm or dpo, got {kind!r}")
@@ -159,41 +144,33 @@ def run_preference(
     held = (
         _batch(_pairs(config.eval_dataset, config, tokenizer), pad) if config.eval_dataset else None
     )
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
-    gpu = bool(ray.cluster_resources().get("GPU"))
+    gpu = start_ray()
     role = config.model
     group = LearnerGroup(
         num_ranks=role.num_ranks,
         num_cpus_per_rank=role.num_cpus_per_rank,
         num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
     )
-    micro = 2 * config.micro_batch_size
-    fn = _scores if kind == "rm" else _logps
+    micro = MicroBatching(max_rows=2 * config.micro_batch_size)
+    fn = sequence_scores_of if kind == "rm" else sequence_logps
     log = MetricsLog(run_dir / "metrics.jsonl")
     rng = random.Random(config.seed)
     n_train = train.size // 2
     order: list[int] = []
     result: dict[str, Any] = {}
     try:
-        group.build(
-            LearnerConfig(
-                model=dataclasses.replace(
-                    role.model, kind="scalar" if kind == "rm" else "causal_lm"
-                ),
-                optimizer=dataclasses.replace(role.optimizer, total_steps=config.num_steps),
-                deepspeed=role.deepspeed,
-                seed=config.seed,
-            )
+        learner = role.with_model(kind="scalar" if kind == "rm" else "causal_lm").learner(
+            seed=config.seed, total_steps=config.num_steps
         )
+        group.build(learner, backend=DeepSpeedBackend)
         if kind == "dpo":  # the reference is the initial policy: its log-probs, once
-            train.fields["ref_logps"] = _row_values(group, train, _logps, micro)
+            train.fields["ref_logps"] = per_sequence(group, train, sequence_logps, micro)
             if held is not None:
-                held.fields["ref_logps"] = _row_values(group, held, _logps, micro)
+                held.fields["ref_logps"] = per_sequence(group, held, sequence_logps, micro)
 
         def accuracy() -> float:
             assert held is not None
-            values = _row_values(group, held, fn, micro)
+            values = per_sequence(group, held, fn, micro)
             if kind == "dpo":
                 values = values - held["ref_logps"]
             n = held.size // 2

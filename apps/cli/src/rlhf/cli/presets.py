@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rlhf.algos import AdvantageConfig, AlgoConfig, KLConfig, PolicyLossConfig
-from rlhf.cli.config import RLConfig, replace
+from rlhf.cli.config import ConfigError, RLConfig, replace
 
 PRESETS: dict[str, Callable[[], RLConfig]] = {}
 
@@ -91,4 +91,4 @@ def resolve(name: str) -> RLConfig:
     try:
         return PRESETS[name]()
     except KeyError:
-        raise KeyError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
+        raise ConfigError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None

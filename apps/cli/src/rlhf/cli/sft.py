@@ -62,10 +62,10 @@ class SFTConfig:
 
 def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Train, export ``run_dir/final``; returns the first and last losses."""
-    import ray
     from transformers import AutoTokenizer
 
-    from rlhf.learner import LearnerConfig, LearnerGroup, SFTObjective, collate, sft_row
+    from rlhf.cli.cluster import start_ray
+    from rlhf.learner import DeepSpeedBackend, LearnerGroup, SFTObjective, collate, sft_row
 
     config.validate()
     run_dir = pathlib.Path(config.run_dir)
@@ -86,13 +86,12 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
         )
         for i, row in enumerate(read_rows(config.dataset))
     ]
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
+    gpu = start_ray()
     role = config.model
     group = LearnerGroup(
         num_ranks=role.num_ranks,
         num_cpus_per_rank=role.num_cpus_per_rank,
-        num_gpus_per_rank=role.num_gpus_per_rank if ray.cluster_resources().get("GPU") else 0.0,
+        num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
     )
     log = MetricsLog(run_dir / "metrics.jsonl")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -101,12 +100,8 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     losses = []
     try:
         group.build(
-            LearnerConfig(
-                model=role.model,
-                optimizer=dataclasses.replace(role.optimizer, total_steps=config.num_steps),
-                deepspeed=role.deepspeed,
-                seed=config.seed,
-            )
+            role.learner(seed=config.seed, total_steps=config.num_steps),
+            backend=DeepSpeedBackend,
         )
         for step in range(1, config.num_steps + 1):
             while len(order) < config.batch_size:

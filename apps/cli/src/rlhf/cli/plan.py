@@ -1,0 +1,54 @@
+"""The plan ``rlhf train`` prints before it starts anything: what one step does and where
+each role runs."""
+
+from __future__ import annotations
+
+from rlhf.cli.config import RLConfig, TrainConfig
+from rlhf.cli.placement import describe, plan_bundles
+
+
+def plan(config: RLConfig) -> list[str]:
+    """The derived plan, one line per topic."""
+    r, t = config.rollout, config.train
+    samples = r.batch_size * r.n_samples_per_prompt
+    return [
+        f"prompts/step {r.batch_size}, samples/step {samples} "
+        f"({r.n_samples_per_prompt} per prompt), max new tokens {r.max_new_tokens}",
+        f"optimizer steps/rollout {config.optimizer_steps_per_rollout} "
+        f"(train.batch_size {t.batch_size or samples}, ppo_epochs {t.ppo_epochs}), "
+        f"micro-batches of {t.micro_batch_size} rows"
+        + (f" / {t.max_tokens_per_micro_batch} tokens" if t.max_tokens_per_micro_batch else "")
+        + (", padding-free (packed)" if config.actor.model.packing_samples else ""),
+        f"estimator {config.algo.advantage.estimator}, policy loss {config.algo.policy_loss.name}, "
+        f"aggregation {config.algo.loss_agg_mode}, KL β {config.algo.kl.init_coef} "
+        f"({'loss' if config.algo.kl.use_loss else 'reward'}, {config.algo.kl.estimator})",
+        f"placement: {config.vllm.num_engines} vLLM engine(s) x TP "
+        f"{config.vllm.tensor_parallel_size}; actor {config.actor.num_ranks} rank(s) "
+        f"ZeRO-{config.actor.deepspeed.zero_stage}"
+        + ("; reference 1 rank" if config.uses_reference else "")
+        + ("; reward model 1 rank" if config.train.reward_model_path else "")
+        + (
+            " (reference/reward model: ZeRO-3, parameters offloaded to CPU)"
+            if config.train.ref_reward_offload
+            else ""
+        )
+        + (f"; critic {config.critic.num_ranks} rank(s)" if config.uses_critic else ""),
+        describe(plan_bundles(config)),
+        mode(t),
+    ]
+
+
+def mode(t: TrainConfig) -> str:
+    """Synchronous or asynchronous, and the staleness that follows."""
+    if not t.async_enable:
+        return "mode: synchronous (generation and training alternate), expected staleness 0"
+    q = t.async_queue_size
+    if t.partial_rollout_enable:
+        return (
+            f"mode: asynchronous, up to {q} batch(es) sampled ahead; partial rollouts (syncs "
+            f"pause the engines, requests in flight finish on new weights): staleness <= {q}"
+        )
+    return (
+        f"mode: asynchronous, up to {q} batch(es) sampled ahead of training; staleness "
+        f"exactly {q} from step {q} on (batch j is sampled with the weights of step j-{q})"
+    )

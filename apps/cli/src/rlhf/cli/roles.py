@@ -1,0 +1,194 @@
+"""The processes of an RL run: vLLM engines and learner rank groups on Ray, where the
+placement (`rlhf.cli.placement`) puts them, and the hybrid turn-taking between them.
+
+Which learner roles run, and with which settings, is `role_configs` (pure, from the config);
+`start_roles` builds them: the reference when ``--algo.kl.init_coef > 0``, the critic when the
+estimator needs one (``rlhf.algos``), the reward model for ``--train.reward_model_path``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rlhf.cli.config import RLConfig, RoleConfig, VllmConfig
+from rlhf.cli.hybrid import TurnTaking
+from rlhf.cli.placement import Placement, place, placement_group_of_this_process
+from rlhf.learner import LearnerConfig, LearnerGroup, ModelConfig
+from rlhf.rollout import EngineConfig, EnginePool, RayEngine
+
+
+def role_configs(
+    config: RLConfig, *, total_optimizer_steps: int
+) -> dict[str, tuple[RoleConfig, LearnerConfig]]:
+    """Every learner role the run starts: its ``--<role>.*`` settings (ranks, resources) and
+    its `rlhf.learner` config. The reference and the reward model score only: one rank, no
+    optimizer, ZeRO-3 with offloaded parameters under ``--train.ref_reward_offload``."""
+    seed, train = config.train.seed, config.train
+    offload = train.ref_reward_offload
+    roles = {"actor": (config.actor, total_optimizer_steps, True)}
+    if config.uses_reference:
+        roles["ref"] = (config.actor.eval_only(offload=offload), 1, False)
+    if config.uses_critic:
+        critic = config.critic.with_model(
+            path=config.critic.model.path or config.actor.model.path, kind="scalar"
+        )
+        roles["critic"] = (critic, total_optimizer_steps, True)
+    if train.reward_model_path:
+        scorer = dataclasses.replace(
+            config.actor.eval_only(offload=offload),
+            model=ModelConfig(
+                path=train.reward_model_path,
+                kind="scalar",
+                packing_samples=config.actor.model.packing_samples,
+            ),
+        )
+        roles["reward_model"] = (scorer, 1, False)
+    return {
+        name: (role, role.learner(seed=seed, total_steps=steps, train=trains))
+        for name, (role, steps, trains) in roles.items()
+    }
+
+
+@dataclasses.dataclass
+class Roles:
+    """A run's processes.
+
+    Attributes:
+        engines: The vLLM engine actors.
+        pool: Load-aware dispatch over them (the executors' generator).
+        actor: The policy's ranks.
+        ref: The reference (KL), or None.
+        critic: The value model (GAE), or None.
+        reward_model: The reward model, or None.
+        placement: Where each process runs.
+        turns: Hybrid placement's turn-taking (``--train.colocate_all``), or None.
+    """
+
+    engines: list[RayEngine]
+    pool: EnginePool
+    actor: LearnerGroup
+    ref: LearnerGroup | None
+    critic: LearnerGroup | None
+    reward_model: LearnerGroup | None
+    placement: Placement
+    turns: TurnTaking | None
+
+    def learner_groups(self) -> dict[str, LearnerGroup]:
+        groups = {
+            "actor": self.actor,
+            "ref": self.ref,
+            "critic": self.critic,
+            "reward_model": self.reward_model,
+        }
+        return {name: g for name, g in groups.items() if g is not None}
+
+    def report_placement(self) -> dict[str, Any]:
+        """Per role: the bundle each process was given and the placement group its process
+        reports running in (None: resources of its own)."""
+        seen: dict[str, list[str | None]] = {
+            name: group.run(placement_group_of_this_process)
+            for name, group in self.learner_groups().items()
+        }
+        import asyncio
+
+        async def engines() -> list[str | None]:
+            return list(await asyncio.gather(*(e.run(_placement_in_engine) for e in self.engines)))
+
+        seen["engines"] = asyncio.run(engines())
+        return {
+            name: {"bundles": self.placement.where(name), "placement_group": ids}
+            for name, ids in seen.items()
+        }
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+        for g in self.learner_groups().values():
+            g.shutdown()
+        self.placement.remove()
+
+
+async def _placement_in_engine(engine: Any) -> str | None:
+    return placement_group_of_this_process()
+
+
+def start_engines(
+    vllm: VllmConfig,
+    *,
+    model: str,
+    max_model_len: int,
+    seed: int,
+    sleep: bool,
+    placement: Placement,
+    gpu: bool,
+) -> list[RayEngine]:
+    """``--vllm.num_engines`` engine actors serving ``model``."""
+    from rlhf.rollout import spawn_engines
+
+    engine = EngineConfig.of(
+        vllm, model=model, max_model_len=max_model_len, seed=seed, enable_sleep_mode=sleep
+    )
+    return spawn_engines(
+        engine,
+        vllm.num_engines,
+        num_cpus=vllm.num_cpus,
+        num_gpus=placement.gpus.get("engines", float(vllm.tensor_parallel_size) if gpu else 0.0),
+        scheduling=placement.scheduling.get("engines"),
+    )
+
+
+def start_learner(
+    name: str, role: RoleConfig, learner: LearnerConfig, *, placement: Placement, gpu: bool
+) -> LearnerGroup:
+    """The ranks of one role, built with the DeepSpeed backend."""
+    from rlhf.learner import DeepSpeedBackend
+
+    group = LearnerGroup(
+        num_ranks=role.num_ranks,
+        num_cpus_per_rank=role.num_cpus_per_rank,
+        num_gpus_per_rank=placement.gpus.get(name, role.num_gpus_per_rank) if gpu else 0.0,
+        scheduling=placement.scheduling.get(name),
+    )
+    group.build(learner, backend=DeepSpeedBackend)
+    return group
+
+
+def start_roles(config: RLConfig, *, gpu: bool, total_optimizer_steps: int) -> Roles:
+    """Place and start every process of the run; they are ready when this returns."""
+    placement = place(config, gpu=gpu)
+    sleep = gpu and config.train.colocate_all and config.vllm.enable_sleep
+    engines = start_engines(
+        config.vllm,
+        model=config.actor.model.path,
+        max_model_len=config.rollout.max_len,
+        seed=config.train.seed,
+        sleep=sleep,
+        placement=placement,
+        gpu=gpu,
+    )
+    groups = {
+        name: start_learner(name, role, learner, placement=placement, gpu=gpu)
+        for name, (role, learner) in role_configs(
+            config, total_optimizer_steps=total_optimizer_steps
+        ).items()
+    }
+    turns = None
+    if config.train.colocate_all:
+        trained = [g for name, g in groups.items() if name in ("actor", "critic")]
+        turns = TurnTaking(
+            engines=engines,
+            learners=trained,
+            sleep_engines=sleep,
+            offload_learners=config.offloads_learners(gpu=gpu),
+        )
+    return Roles(
+        engines=engines,
+        pool=EnginePool(engines, max_in_flight_per_engine=2 * config.vllm.max_num_seqs),
+        actor=groups["actor"],
+        ref=groups.get("ref"),
+        critic=groups.get("critic"),
+        reward_model=groups.get("reward_model"),
+        placement=placement,
+        turns=turns,
+    )

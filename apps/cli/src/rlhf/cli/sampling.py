@@ -1,0 +1,246 @@
+"""Sampling for ``rlhf train``: where rewards come from, which executor turns prompts into
+trajectories, one step's generation with dynamic filtering, and evaluation.
+
+- Reward sources: ``--train.reward_func`` (``builtin:<name>`` or a Python file) or
+  ``--train.remote_url`` (HTTP servers, OpenRLHF's wire format). A reward model
+  (``--train.reward_model_path``) scores in the learner's experience phase instead.
+- Executors: single-turn (`rlhf.agents.SingleTurnExecutor`, the reward source scores), or a
+  ``--train.agent_func_path`` file: an ``Environment`` class (token-in, token-out multi-turn
+  episodes) or an ``agent`` function (an OpenAI-client agent on 127.0.0.1). Evaluations are
+  single-turn, scored by the reward function.
+- `generate`: a step's prompts, sampled; with ``--algo.dynamic_filtering_enable`` prompt groups
+  whose mean score is outside the range are dropped and replaced from further prompts (three
+  extra draws at most).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rlhf.algos import AlgoConfig, dynamic_filter
+from rlhf.cli.config import ConfigError, EvalConfig, RolloutConfig, TrainConfig
+from rlhf.cli.data import Prompt, PromptSampler
+from rlhf.cli.schedule import Rollout
+from rlhf.learner import Samples
+
+
+def reward_source(train: TrainConfig) -> Any:
+    """The ``--train.reward_func`` / ``--train.remote_url`` scorer (`rlhf.agents`)."""
+    from rlhf.agents import FunctionReward, RemoteReward, RemoteRewardConfig, builtin_rewards
+
+    if train.remote_url:
+        urls = tuple(u.strip() for u in train.remote_url.split(",") if u.strip())
+        return RemoteReward(RemoteRewardConfig(urls=urls))
+    if train.reward_func.startswith("builtin:"):
+        name = train.reward_func.removeprefix("builtin:")
+        func = getattr(builtin_rewards, name, None)
+        if func is None or name.startswith("_"):
+            raise ConfigError(
+                f"--train.reward_func={train.reward_func}: no such builtin; use exact_match, "
+                "math_answer or boxed_format, or a Python file"
+            )
+        return FunctionReward(func, source=train.reward_func)
+    return FunctionReward.from_file(train.reward_func)
+
+
+def agent_module(path: str) -> Any:
+    """The imported ``--train.agent_func_path`` file, or a `ConfigError` when it defines
+    neither an ``Environment`` class nor an ``agent`` function."""
+    from rlhf.agents.loading import load_module
+
+    try:
+        module = load_module(path, purpose="--train.agent_func_path")
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if not hasattr(module, "Environment") and not callable(getattr(module, "agent", None)):
+        raise ConfigError(
+            f"--train.agent_func_path {path!r} defines neither an `Environment` class "
+            "(multi-turn environment) nor an `agent` function (OpenAI-client agent)"
+        )
+    return module
+
+
+class Executors:
+    """The executors of a run. Made before anything starts (a bad reward or agent file stops
+    the run there); ``generator`` (the engine pool) is set once the engines run.
+
+    Args:
+        tokenizer: The policy's tokenizer.
+        rollout: Sampling settings (``--rollout.*``).
+        train: Reward source and agent file (``--train.*``).
+    """
+
+    def __init__(self, *, tokenizer: Any, rollout: RolloutConfig, train: TrainConfig) -> None:
+        self.tokenizer, self.rollout = tokenizer, rollout
+        self.generator: Any = None
+        self.reward = reward_source(train)
+        self.agent_path = train.agent_func_path
+        self.agent_max_turns = train.agent_max_turns
+        self.agent = agent_module(self.agent_path) if self.agent_path else None
+        self._training: Any = None
+
+    def _sampling(self, temperature: float) -> Any:
+        from rlhf.agents import SamplingParams
+
+        eos = self.tokenizer.eos_token_id
+        r = self.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=(eos,) if eos is not None else (),
+        )
+
+    def single_turn(self, temperature: float) -> Any:
+        """Prompt → one completion, scored by the reward source."""
+        from rlhf.agents import SingleTurnExecutor
+
+        return SingleTurnExecutor(
+            tokenizer=self.tokenizer,
+            generator=self.generator,
+            reward=self.reward,
+            sampling=self._sampling(temperature),
+            max_len=self.rollout.max_len,
+        )
+
+    def training(self) -> Any:
+        """The executor of training rollouts (built once: an agent file is imported once)."""
+        if self._training is None:
+            self._training = (
+                self._agent() if self.agent else self.single_turn(self.rollout.temperature)
+            )
+        return self._training
+
+    def _agent(self) -> Any:
+        from rlhf.agents import EnvironmentFactory, MultiTurnExecutor, OpenAIAgentExecutor
+
+        path, module = self.agent_path, self.agent
+        common = {
+            "tokenizer": self.tokenizer,
+            "generator": self.generator,
+            "sampling": self._sampling(self.rollout.temperature),
+            "max_len": self.rollout.max_len,
+        }
+        if hasattr(module, "Environment"):
+            factory = EnvironmentFactory(
+                module.Environment, source=f"environment Environment in {path}"
+            )
+            return MultiTurnExecutor(environments=factory, max_turns=self.agent_max_turns, **common)
+        return OpenAIAgentExecutor(agent=module.agent, source=f"agent in {path}", **common)
+
+
+def complete_groups(trajectories: Sequence[Any], n: int) -> list[list[Any]]:
+    """Trajectories grouped by prompt, keeping only groups with all ``n`` samples (a reward's
+    skip policy can drop samples)."""
+    groups: dict[int, list[Any]] = {}
+    for tr in trajectories:
+        groups.setdefault(tr.prompt_index, []).append(tr)
+    return [g for _, g in sorted(groups.items()) if len(g) == n]
+
+
+async def generate(
+    step: int,
+    *,
+    rollout: RolloutConfig,
+    algo: AlgoConfig,
+    sampler: PromptSampler,
+    executor: Any,
+) -> Rollout:
+    """Draw the prompts of ``step`` and sample them (with dynamic filtering's replacement
+    draws); the engines serve whatever weights they hold."""
+    n = rollout.n_samples_per_prompt
+    tick = time.perf_counter()
+    trajectories: list[Any] = []
+    gen_metrics: Mapping[str, float] = {}
+    dropped_groups = 0
+    digest = 0
+    for attempt in range(4 if algo.dynamic_filtering_enable else 1):
+        need = rollout.batch_size - len(trajectories) // n
+        if need <= 0:
+            break
+        prompts = sampler.next(need)
+        digest = zlib.crc32("\x00".join(p.text for p in prompts).encode(), digest)
+        result = await executor.run(
+            prompts=[p.text for p in prompts],
+            labels=[p.label for p in prompts],
+            n_samples_per_prompt=n,
+        )
+        gen_metrics = result.metrics if attempt == 0 else gen_metrics
+        groups = complete_groups(result.trajectories, n)
+        if algo.dynamic_filtering_enable and groups:
+            scores = torch.tensor([float(tr.score) for g in groups for tr in g])
+            keep = dynamic_filter(
+                scores, n_samples_per_prompt=n, score_range=algo.dynamic_filtering_range
+            ).keep_groups.tolist()
+            dropped_groups += len(groups) - sum(keep)
+            groups = [g for g, k in zip(groups, keep, strict=True) if k]
+        trajectories += [tr for g in groups for tr in g]
+    trajectories = trajectories[: rollout.batch_size * n]
+    if not trajectories:
+        raise RuntimeError(
+            "every prompt group was dropped (dynamic filtering or the reward's skip policy); "
+            "widen --algo.dynamic_filtering_range or check the reward function"
+        )
+    metrics: dict[str, Any] = {
+        "rollout/dropped_groups": float(dropped_groups),
+        "data/prompts_crc32": digest,
+        **{
+            k: float(v)
+            for k, v in gen_metrics.items()
+            if k.startswith(("rollout/truncated", "reward/", "env/"))
+        },
+        "time/generation_s": time.perf_counter() - tick,
+    }
+    return Rollout(
+        step=step, trajectories=trajectories, metrics=metrics, sampler_state=sampler.state_dict()
+    )
+
+
+def to_samples(trajectories: Sequence[Any]) -> Samples:
+    """`rlhf.agents.Trajectory` objects as the learner's `Samples`."""
+    return Samples.collate(
+        token_ids=[tr.token_ids for tr in trajectories],
+        action_mask=[tr.action_mask for tr in trajectories],
+        rollout_logprobs=[tr.rollout_logprobs for tr in trajectories],
+        rewards=[float(tr.reward) for tr in trajectories],
+        truncated=[bool(tr.truncated) for tr in trajectories],
+    )
+
+
+def staleness(step: int, trajectories: Sequence[Any]) -> dict[str, float]:
+    """How many updates behind the trained policy (version ``step``) each sample's weights
+    were: mean and max over the samples whose engine reported a version."""
+    behind = [step - t.weight_version for t in trajectories if t.weight_version is not None]
+    if not behind:
+        return {}
+    return {
+        "rollout/staleness_mean": sum(behind) / len(behind),
+        "rollout/staleness_max": float(max(behind)),
+    }
+
+
+async def evaluate(
+    executors: Executors, prompts: Mapping[str, Sequence[Prompt]], *, eval: EvalConfig
+) -> dict[str, float]:
+    """pass@1 (mean score over ``eval.n_samples`` samples) and pass@k (any sample scored > 0)
+    per evaluation source, single-turn at ``eval.temperature``."""
+    out: dict[str, float] = {}
+    k = eval.n_samples
+    for name, items in prompts.items():
+        items = items[: eval.max_prompts]
+        result = await executors.single_turn(eval.temperature).run(
+            prompts=[p.text for p in items], labels=[p.label for p in items], n_samples_per_prompt=k
+        )
+        scores: dict[int, list[float]] = {}
+        for t in result.trajectories:
+            scores.setdefault(t.prompt_index, []).append(float(t.score))
+        per_prompt = [scores.get(i, [0.0]) for i in range(len(items))]
+        out[f"eval/{name}/pass@1"] = sum(sum(s) / len(s) for s in per_prompt) / len(per_prompt)
+        out[f"eval/{name}/pass@{k}"] = sum(max(s) > 0 for s in per_prompt) / len(per_prompt)
+    return out

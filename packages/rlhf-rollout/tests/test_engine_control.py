@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.agents import SamplingParams
-from rlhf.rollout import EngineConfig, EngineError, VLLMEngine
+from rlhf.rollout import EngineConfig, EngineError, VLLMEngine, spot_check_names
 from rlhf.weights import WeightSyncError
 
 PROMPT = [5, 17, 42, 99, 7]
@@ -212,3 +212,50 @@ def test_verification_catches_a_stale_tied_head(engine, checkpoint, pack, restor
         engine.verify_weights(sync)
     engine.update_weights(sync, verify=True)  # the engine's own path refreshes the head
     assert engine.weight_version == 7
+
+
+def test_cheap_verification_reads_back_the_spot_checks_only(engine, checkpoint, pack) -> None:
+    """``cheap`` reads back the vocabulary tensors and the first tensor of every bucket (a fused
+    parameter is read whole: asking for q_proj reports q, k and v)."""
+    state = original(checkpoint)
+    sync = pack(state, version=0, bucket_bytes=64 * 1024)
+    names = spot_check_names(sync)
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= names
+    assert {b.tensors[0].name for b in sync} <= names and len(names) < len(state)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    live = engine.weight_checksums("crc32", names={q, "lm_head.weight"})
+    assert set(live) == {q, q.replace("q_proj", "k_proj"), q.replace("q_proj", "v_proj"),
+                         "lm_head.weight"}  # fmt: skip
+    engine.verify_weights(sync, names=names)
+
+
+def test_cheap_verification_catches_a_stale_tied_head(engine, checkpoint, pack, restore) -> None:
+    state = original(checkpoint)
+    new = {**state, "model.embed_tokens.weight": state["model.embed_tokens.weight"] * 2}
+    sync = pack(new, version=8, bucket_bytes=64 * 1024)
+    from rlhf.weights import iter_tensors
+
+    engine.call(  # a load that skips the head's refresh, as vLLM alone does on CPU
+        lambda eng: eng.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": iter_tensors(sync), "is_checkpoint_format": True},
+        )
+    )
+    with pytest.raises(WeightSyncError, match=r"differ from the sync: \['lm_head\.weight'\]"):
+        engine.verify_weights(sync, names=spot_check_names(sync))
+    assert engine.update_weights(sync, verify="cheap") == 8  # the engine's own path refreshes it
+
+
+@pytest.mark.parametrize("verify", ["off", "cheap", "full"])
+def test_a_corrupted_bucket_is_refused_in_every_mode(engine, checkpoint, pack, verify) -> None:
+    sync = pack(original(checkpoint), version=9, bucket_bytes=64 * 1024)
+    bad = sync[1].buffer.clone()
+    bad[3] ^= 1
+    sync[1] = sync[1].header.with_buffer(bad)
+    version = engine.weight_version
+    with pytest.raises(WeightSyncError, match="bucket 1 of version 9 is corrupted"):
+        engine.update_weights(sync, verify=verify)
+    assert engine.weight_version == version
+    with pytest.raises(ValueError, match="verify must be one of"):
+        engine.update_weights(pack(original(checkpoint), version=9, bucket_bytes=1 << 20),
+                              verify="sometimes")  # fmt: skip

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 
-def start_ray(*, env_vars: Mapping[str, str] | None = None) -> bool:
+@dataclass(frozen=True)
+class Cluster:
+    """What a command needs to know about the Ray cluster it runs on.
+
+    Attributes:
+        gpu: The cluster has GPUs.
+        nodes: Alive nodes.
+        nccl: CuPy's NCCL bindings import here (the NCCL weight broadcast can run).
+    """
+
+    gpu: bool
+    nodes: int
+    nccl: bool
+
+
+def start_ray(*, env_vars: Mapping[str, str] | None = None) -> Cluster:
     """Start a local Ray cluster unless this process is already connected to one; returns
-    whether the cluster has GPUs.
+    what the cluster has.
 
     A local cluster announces at least 8 CPUs: roles reserve CPUs for scheduling, and on a
     small machine (CI's 2 cores) an RL run's engine and learner ranks still need to start.
@@ -23,4 +40,8 @@ def start_ray(*, env_vars: Mapping[str, str] | None = None) -> bool:
             log_to_driver=False,
             runtime_env={"env_vars": dict(env_vars or {})},
         )
-    return bool(ray.cluster_resources().get("GPU"))
+    return Cluster(
+        gpu=bool(ray.cluster_resources().get("GPU")),
+        nodes=sum(1 for node in ray.nodes() if node.get("Alive")),
+        nccl=importlib.util.find_spec("cupy") is not None,
+    )

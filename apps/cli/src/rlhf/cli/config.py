@@ -17,6 +17,13 @@ class ConfigError(ValueError):
     """An invalid combination of flags; the message names them."""
 
 
+VERIFY_SYNC = {"off": "off", "cheap": "cheap", "full": "full", "True": "full", "False": "off"}
+"""``--vllm.verify_sync`` values and the mode each means (booleans from before the modes)."""
+
+WEIGHT_TRANSPORTS = ("auto", "object_store", "shared_memory", "cuda_ipc", "broadcast")
+"""``--train.weight_transport`` values (`rlhf.cli.sync`)."""
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Prompt data (flags ``--data.*``).
@@ -76,7 +83,11 @@ class VllmConfig(EngineOptions):
 
     Attributes:
         num_engines: vLLM engines (one Ray actor each).
-        verify_sync: Read the weights back after every sync and compare checksums.
+        verify_sync: What each engine reads back after a sync and compares with what it
+            received (bucket and tensor checksums are always checked on receipt): ``cheap``
+            (the output head, tied or not, the input embedding and the first tensor of every
+            bucket), ``full`` (every weight, through the engine's own kernels) or ``off``;
+            ``True`` / ``False`` mean ``full`` / ``off``.
         num_cpus: CPUs each engine actor reserves in Ray.
         enable_sleep: Under ``--train.colocate_all`` on GPUs, the engines sleep while the
             learners work (vLLM sleep mode, level 1: weights to host memory, KV cache freed)
@@ -85,7 +96,7 @@ class VllmConfig(EngineOptions):
     """
 
     num_engines: int = 1
-    verify_sync: bool = True
+    verify_sync: str = "cheap"
     num_cpus: float = 1.0
     enable_sleep: bool = True
 
@@ -189,6 +200,12 @@ class TrainConfig:
         wandb_org: W&B entity (team or user); empty: the account's default.
         wandb_group: W&B group of the run; empty: none.
         wandb_run_name: W&B display name; empty: the run directory's name.
+        weight_transport: How the actor's weights reach the engines (`rlhf.weights`):
+            ``auto`` (CUDA IPC when the one engine shares the actor's GPU, an NCCL broadcast
+            to engines on other GPUs, shared memory on one CPU machine, the object store
+            across nodes), or ``object_store``, ``shared_memory``, ``cuda_ipc``, ``broadcast``
+            (gloo on CPUs, NCCL on GPUs).
+        weight_bucket_mib: Bucket size of the weight stream, in MiB.
         seed: Seed of prompt order, sampling and initialisation.
     """
 
@@ -216,6 +233,8 @@ class TrainConfig:
     wandb_org: str = ""
     wandb_group: str = ""
     wandb_run_name: str = ""
+    weight_transport: str = "auto"
+    weight_bucket_mib: int = 64
     seed: int = 42
 
 
@@ -355,6 +374,15 @@ class RLConfig:
             ),
             (self.vllm.num_engines < 1, "--vllm.num_engines must be >= 1"),
             (
+                str(self.vllm.verify_sync) not in VERIFY_SYNC,
+                f"--vllm.verify_sync must be one of {sorted(VERIFY_SYNC)}",
+            ),
+            (
+                self.train.weight_transport not in WEIGHT_TRANSPORTS,
+                f"--train.weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}",
+            ),
+            (self.train.weight_bucket_mib < 1, "--train.weight_bucket_mib must be >= 1"),
+            (
                 self.train.colocate_all and self.train.async_enable,
                 "--train.colocate_all makes generation and training take turns on the same "
                 "resources; drop --train.async_enable (or colocate less)",
@@ -407,6 +435,18 @@ class RLConfig:
             if bad:
                 raise ConfigError(message)
         return self
+
+    def model_dirs(self) -> list[str]:
+        """Every model directory the run loads (checked before anything starts)."""
+        paths = [self.actor.model.path, self.train.reward_model_path]
+        if self.uses_critic:
+            paths.append(self.critic.model.path)
+        return [p for p in paths if p]
+
+    @property
+    def verify_mode(self) -> str:
+        """``--vllm.verify_sync`` as one of ``off``, ``cheap``, ``full``."""
+        return VERIFY_SYNC[str(self.vllm.verify_sync)]
 
     @property
     def trained_roles(self) -> tuple[RoleConfig, ...]:

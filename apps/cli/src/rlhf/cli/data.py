@@ -158,3 +158,15 @@ class PromptSampler:
             )
         self.drawn = int(state["drawn"])
         self.positions = [int(p) for p in state["positions"]]
+
+
+def prompt_sources(
+    data: DataConfig, tokenizer: Any, *, seed: int
+) -> tuple[PromptSampler, dict[str, list[Prompt]]]:
+    """The training prompts' sampler (``--data.prompt_data``, blended by
+    ``--data.prompt_data_probs``) and the evaluation prompts per source (``--data.eval_data``)."""
+    sampler = PromptSampler(
+        load_prompts(data.prompt_data, data, tokenizer), probs=data.prompt_data_probs, seed=seed
+    )
+    evals = load_prompts(data.eval_data, data, tokenizer) if data.eval_data else {}
+    return sampler, evals

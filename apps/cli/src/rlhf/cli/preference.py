@@ -144,7 +144,7 @@ def run_preference(
     held = (
         _batch(_pairs(config.eval_dataset, config, tokenizer), pad) if config.eval_dataset else None
     )
-    gpu = start_ray()
+    gpu = start_ray().gpu
     role = config.model
     group = LearnerGroup(
         num_ranks=role.num_ranks,

@@ -6,7 +6,8 @@ One step, in the order the data flows::
             ─► make_experience (RM scores, shaping, π_old, π_ref, values,
                                 advantages)                                   rlhf.learner
             ─► ppo_update (actor and critic epochs)                           rlhf.learner
-            ─► weight sync (actor ─► every engine, verified)                  rlhf.cli.sync
+            ─► weight sync (actor ─► every engine over the placement's
+                            transport, verified)                              rlhf.cli.sync
 
 `rlhf.cli.schedule` decides when each part runs (synchronous, or asynchronous with a bounded
 queue of rollouts), `rlhf.cli.roles` starts the processes where `rlhf.cli.placement` puts them,
@@ -29,13 +30,13 @@ import torch
 from rlhf.algos import make_kl_controller
 from rlhf.cli.cluster import start_ray
 from rlhf.cli.config import RLConfig
-from rlhf.cli.data import Prompt, PromptSampler, load_prompts
+from rlhf.cli.data import Prompt, PromptSampler, prompt_sources
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
 from rlhf.cli.plan import plan
 from rlhf.cli.roles import Roles, start_roles
 from rlhf.cli.sampling import Executors, evaluate, generate, staleness, to_samples
 from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
-from rlhf.cli.sync import WeightSync
+from rlhf.cli.sync import Transport, choose_transport, open_transport, report
 from rlhf.learner import MicroBatching, latest_checkpoint, make_experience, ppo_update
 
 
@@ -46,11 +47,8 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
     from rlhf.learner import check_model_dir
 
     config.validate()
-    for path in (config.actor.model.path, config.train.reward_model_path):
-        if path:
-            check_model_dir(path)
-    if config.uses_critic and config.critic.model.path:
-        check_model_dir(config.critic.model.path)
+    for path in config.model_dirs():
+        check_model_dir(path)
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = dataclasses.asdict(config)
@@ -59,34 +57,48 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
         echo(f"[plan] {line}")
     torch.manual_seed(config.train.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
-    data = config.data
-    sampler = PromptSampler(
-        load_prompts(data.prompt_data, data, tokenizer),
-        probs=data.prompt_data_probs,
-        seed=config.train.seed,
-    )
-    eval_prompts = load_prompts(data.eval_data, data, tokenizer) if data.eval_data else {}
+    sampler, eval_prompts = prompt_sources(config.data, tokenizer, seed=config.train.seed)
     executors = Executors(tokenizer=tokenizer, rollout=config.rollout, train=config.train)
     log = open_sinks(
         config.train, run_dir=run_dir, run_config=resolved, resume=config.ckpt.load_enable
     )
-    gpu = start_ray(env_vars={"VLLM_CPU_KVCACHE_SPACE": str(config.vllm.cpu_kv_cache_gib)})
-    total_optimizer_steps = config.train.num_steps * config.optimizer_steps_per_rollout
-    roles = start_roles(config, gpu=gpu, total_optimizer_steps=total_optimizer_steps)
+    cluster = start_ray(env_vars={"VLLM_CPU_KVCACHE_SPACE": str(config.vllm.cpu_kv_cache_gib)})
+    t = config.train
+    transport, why = choose_transport(
+        t.weight_transport,
+        gpu=cluster.gpu,
+        colocated=t.colocate_all,
+        num_engines=config.vllm.num_engines,
+        nodes=cluster.nodes,
+        nccl=cluster.nccl,
+    )
+    total_optimizer_steps = t.num_steps * config.optimizer_steps_per_rollout
+    roles = start_roles(config, gpu=cluster.gpu, total_optimizer_steps=total_optimizer_steps)
     executors.generator = roles.pool
     if roles.turns is not None:
         echo(f"[plan] {roles.turns.describe()}")
-    driver = RLDriver(
-        config=config,
-        roles=roles,
-        sampler=sampler,
-        executors=executors,
-        eval_prompts=eval_prompts,
-        log=log,
-        ckpt_root=run_dir / "checkpoints",
-        echo=echo,
+    echo(
+        f"[plan] weight sync: {transport} ({why}), {t.weight_bucket_mib} MiB buckets, "
+        f"read-back {config.verify_mode}"
     )
     try:
+        driver = RLDriver(
+            config=config,
+            roles=roles,
+            transport=open_transport(
+                transport,
+                actor=roles.actor,
+                engines=roles.engines,
+                verify=config.verify_mode,
+                bucket_bytes=t.weight_bucket_mib << 20,
+            ),
+            sampler=sampler,
+            executors=executors,
+            eval_prompts=eval_prompts,
+            log=log,
+            ckpt_root=run_dir / "checkpoints",
+            echo=echo,
+        )
         (run_dir / "placement.json").write_text(json.dumps(roles.report_placement(), indent=1))
         start, queue = driver.resume() if config.ckpt.load_enable else (0, [])
         driver.progress = Progress(total=config.train.num_steps, start=start)
@@ -97,6 +109,8 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
             if (run_dir / "final").is_dir():
                 tokenizer.save_pretrained(run_dir / "final")
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        driver.transport.close()
+        (run_dir / "sync.json").write_text(json.dumps(report(transport, why, roles.engines)))
         return {"last": driver.last, "evaluations": driver.evaluations}
     finally:
         log.close()
@@ -109,6 +123,7 @@ class RLDriver:
 
     config: RLConfig
     roles: Roles
+    transport: Transport
     sampler: PromptSampler
     executors: Executors
     eval_prompts: dict[str, list[Prompt]]
@@ -123,9 +138,6 @@ class RLDriver:
 
     def __post_init__(self) -> None:
         self.kl_ctl = make_kl_controller(self.config.algo.kl)
-        self.weight_sync = WeightSync(
-            actor=self.roles.actor, engines=self.roles.engines, verify=self.config.vllm.verify_sync
-        )
         t = self.config.train
         self.micro = MicroBatching(
             max_rows=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch or None
@@ -217,7 +229,7 @@ class RLDriver:
         paused = sum(e.pause() for e in engines)
         self.enter("sync")
         try:
-            self.weight_sync(version)
+            self.transport.sync(version)
         finally:
             for e in engines:
                 e.resume()

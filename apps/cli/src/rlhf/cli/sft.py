@@ -86,7 +86,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
         )
         for i, row in enumerate(read_rows(config.dataset))
     ]
-    gpu = start_ray()
+    gpu = start_ray().gpu
     role = config.model
     group = LearnerGroup(
         num_ranks=role.num_ranks,

@@ -1,50 +1,216 @@
-"""The weight sync of ``rlhf train``: the actor's weights into every engine.
+"""The weight sync of ``rlhf train``: the actor's weights into every engine, over the
+`rlhf.weights` transport the placement calls for (``--train.weight_transport``).
 
-The actor's ranks stream their parameters (`rlhf.learner.send_weights`: gathered one at a
-time, packed into buckets as they fill, never a full state dict on one rank) into an
-`rlhf.weights` transport's sender on rank 0; each engine receives the sync in its actor,
-validates it whole, loads it and, with ``--vllm.verify_sync``, reads it back.
+Every sync streams: the actor's ranks gather one parameter at a time
+(`rlhf.learner.send_weights`) and rank 0 packs buckets of ``--train.weight_bucket_mib`` as
+they fill into the transport's sender; no rank holds a full state dict. Each engine receives
+the sync in its actor, validates it whole (bucket and tensor checksums), loads it and reads
+back what ``--vllm.verify_sync`` asks for.
 
-The transport is Ray's object store, which works for every placement on one node or many.
+``auto`` chooses (`choose_transport`): CUDA IPC when the one engine shares the actor's GPU
+(``--train.colocate_all``), an NCCL broadcast when engines sit on other GPUs (CuPy needed;
+without it, the object store), shared memory on one CPU machine, and Ray's object store when
+the cluster spans several nodes. A sender that must outlive a sync (the shared-memory segment,
+the broadcast group's membership, the CUDA IPC buffers until the engines loaded) is kept in
+the actor's rank-0 process, in this module's ``_SENDERS``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from rlhf.cli.config import WEIGHT_TRANSPORTS, ConfigError
 from rlhf.learner import LearnerGroup, send_weights
 from rlhf.rollout import RayEngine
-from rlhf.weights import ObjectStoreSender
 
-BUCKET_BYTES = 64 << 20
-"""Bucket size: large enough that per-bucket costs vanish, small enough to stream."""
+# Senders alive in a learner rank's process (filled by functions that run there).
+_SENDERS: dict[str, Any] = {}
 
 
-@dataclasses.dataclass
-class WeightSync:
-    """Loads the actor's weights into the engines as a given version.
+def choose_transport(
+    requested: str,
+    *,
+    gpu: bool,
+    colocated: bool,
+    num_engines: int,
+    nodes: int,
+    nccl: bool,
+) -> tuple[str, str]:
+    """The transport to use and why (for the plan).
 
-    Attributes:
-        actor: The policy's ranks.
-        engines: The engines to load into.
-        verify: Read every weight back from each engine after loading (``--vllm.verify_sync``).
-        bucket_bytes: Bucket size of the stream.
+    Args:
+        requested: ``--train.weight_transport``.
+        gpu: The cluster has GPUs.
+        colocated: The engines share the learners' GPUs (``--train.colocate_all``).
+        num_engines: ``--vllm.num_engines``.
+        nodes: Alive nodes of the Ray cluster.
+        nccl: CuPy's NCCL bindings are importable here.
+
+    Raises:
+        ConfigError: a requested transport that cannot reach the engines, naming the flag.
     """
+    if requested not in WEIGHT_TRANSPORTS:
+        raise ConfigError(f"--train.weight_transport must be one of {WEIGHT_TRANSPORTS}")
+    if requested == "auto":
+        if nodes > 1:
+            return "object_store", f"auto: the cluster has {nodes} nodes"
+        if gpu and colocated and num_engines == 1:
+            return "cuda_ipc", "auto: the engine shares the actor's GPU"
+        if gpu and nccl:
+            return "broadcast", "auto: engines on other GPUs (NCCL)"
+        if gpu:
+            return "object_store", "auto: engines on other GPUs, CuPy (NCCL) not installed"
+        return "shared_memory", "auto: one machine without GPUs"
+    if requested == "cuda_ipc" and not (gpu and colocated and num_engines == 1):
+        raise ConfigError(
+            "--train.weight_transport cuda_ipc needs the engine on the actor's GPU: GPUs, "
+            "--train.colocate_all True and --vllm.num_engines 1"
+        )
+    if requested == "shared_memory" and nodes > 1:
+        raise ConfigError(
+            f"--train.weight_transport shared_memory needs one machine; the cluster has "
+            f"{nodes} nodes: use object_store or broadcast"
+        )
+    if requested == "broadcast" and gpu and not nccl:
+        raise ConfigError(
+            "--train.weight_transport broadcast on GPUs needs CuPy with NCCL "
+            "(pip install cupy-cuda12x, or cupy-cuda13x)"
+        )
+    return requested, "requested"
+
+
+class Transport(Protocol):
+    """Moves the actor's weights into the engines as one version."""
+
+    def sync(self, version: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _send(backend: Any, *, kind: str, version: int, bucket_bytes: int) -> Any:
+    """In each actor rank: stream the weights into rank 0's ``kind`` sender (made on first
+    use; a broadcast group's member is made when the group forms)."""
+    from rlhf.weights import CudaIpcSender, ObjectStoreSender, SharedMemorySender
+
+    makers = {
+        "object_store": ObjectStoreSender,
+        "shared_memory": SharedMemorySender,
+        "cuda_ipc": CudaIpcSender,
+    }
+    if backend.rank == 0 and kind not in _SENDERS:
+        _SENDERS[kind] = makers[kind]()
+    device = backend.device if kind in ("cuda_ipc", "broadcast") else None
+    return send_weights(
+        backend, _SENDERS.get(kind), version=version, bucket_bytes=bucket_bytes, device=device
+    )
+
+
+def _close(backend: Any, *, kind: str) -> None:
+    sender = _SENDERS.pop(kind, None)
+    if sender is not None:
+        sender.close()
+
+
+@dataclass
+class SenderTransport:
+    """A sender in the actor's rank 0 makes a sync object; every engine receives it
+    (object store, shared memory, CUDA IPC)."""
+
+    kind: str
+    actor: LearnerGroup
+    engines: Sequence[RayEngine]
+    verify: bool | str
+    bucket_bytes: int
+
+    def sync(self, version: int) -> None:
+        send = functools.partial(
+            _send, kind=self.kind, version=version, bucket_bytes=self.bucket_bytes
+        )
+        synced = self.actor.run(send)[0]
+        for engine in self.engines:
+            engine.update_weights_from(synced, verify=self.verify)
+        if self.kind == "cuda_ipc":  # every engine loaded: the shared buffers may go
+            self.actor.run(functools.partial(_close, kind=self.kind))
+
+    def close(self) -> None:
+        self.actor.run(functools.partial(_close, kind=self.kind))
+
+
+def _new_group(backend: Any, *, world_size: int) -> Any:
+    """Rank 0: a broadcast group spec on its node (gloo without GPUs, else NCCL)."""
+    if backend.rank != 0:
+        return None
+    import ray
+
+    from rlhf.weights import new_broadcast_group
+
+    gloo = backend.device.type != "cuda"
+    return new_broadcast_group(
+        backend="gloo" if gloo else "nccl",
+        world_size=world_size,
+        host=ray.util.get_node_ip_address() if gloo else "127.0.0.1",
+    )
+
+
+def _join(backend: Any, *, spec: Any) -> None:
+    if backend.rank == 0:
+        from rlhf.weights import BroadcastGroup
+
+        _SENDERS["broadcast"] = BroadcastGroup(spec, rank=0, device=backend.device)
+
+
+@dataclass
+class BroadcastTransport:
+    """The actor's rank 0 and every engine form one broadcast group (rank 0 sends, engine
+    ``i`` is rank ``i + 1``); each sync streams through it."""
 
     actor: LearnerGroup
     engines: Sequence[RayEngine]
-    verify: bool
-    bucket_bytes: int = BUCKET_BYTES
+    verify: bool | str
+    bucket_bytes: int
 
-    def __call__(self, version: int) -> None:
+    def __post_init__(self) -> None:
+        import ray
+
+        new = functools.partial(_new_group, world_size=1 + len(self.engines))
+        spec = self.actor.run(new)[0]
+        joins = [e.join_weight_group(spec, rank) for rank, e in enumerate(self.engines, 1)]
+        self.actor.run(functools.partial(_join, spec=spec))
+        ray.get(joins)
+
+    def sync(self, version: int) -> None:
+        import ray
+
+        loads = [e.update_weights_from_group(verify=self.verify) for e in self.engines]
         send = functools.partial(
-            send_weights,
-            sender=ObjectStoreSender(),
-            version=version,
-            bucket_bytes=self.bucket_bytes,
+            _send, kind="broadcast", version=version, bucket_bytes=self.bucket_bytes
         )
-        sync = self.actor.run(send)[0]
-        for engine in self.engines:
-            engine.update_weights_from(sync, verify=self.verify)
+        self.actor.run(send)
+        ray.get(loads)
+
+    def close(self) -> None:
+        self.actor.run(functools.partial(_close, kind="broadcast"))
+
+
+def report(kind: str, why: str, engines: Sequence[RayEngine]) -> dict[str, Any]:
+    """For ``run_dir/sync.json``: the transport, why it was chosen, and the syncs each engine
+    loaded by the path they arrived on (what was used, as the engines saw it)."""
+    return {"transport": kind, "why": why, "engines_loaded": [e.weight_loads() for e in engines]}
+
+
+def open_transport(
+    kind: str,
+    *,
+    actor: LearnerGroup,
+    engines: Sequence[RayEngine],
+    verify: bool | str,
+    bucket_bytes: int,
+) -> Transport:
+    """The `Transport` of ``kind`` (a `choose_transport` result) between the actor and the
+    engines, set up (a broadcast group is formed here)."""
+    if kind == "broadcast":
+        return BroadcastTransport(actor, engines, verify, bucket_bytes)
+    return SenderTransport(kind, actor, engines, verify, bucket_bytes)

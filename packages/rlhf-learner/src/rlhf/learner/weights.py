@@ -48,17 +48,19 @@ class Sender(Protocol):
 
 def send_weights(
     backend: Backend,
-    sender: Sender,
+    sender: Sender | None,
     *,
     version: int,
     bucket_bytes: int,
     device: torch.device | str | None = None,
 ) -> Any:
-    """On every rank: stream the weights into ``sender`` (rank 0); returns what the sender
-    returns (the sync to hand to the engines) on rank 0, None elsewhere."""
+    """On every rank: stream the weights into ``sender`` (needed on rank 0 only); returns what
+    the sender returns (the sync to hand to the engines) on rank 0, None elsewhere."""
     buckets = stream_weights(backend, version=version, bucket_bytes=bucket_bytes, device=device)
     if backend.rank != 0:
         for _ in buckets:
             pass
         return None
+    if sender is None:
+        raise ValueError("send_weights needs a sender on rank 0")
     return sender.send(buckets)

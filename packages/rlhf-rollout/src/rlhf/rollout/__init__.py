@@ -9,11 +9,18 @@ over its transports. It may import `rlhf.agents` and `rlhf.weights` only.
 
 from rlhf.rollout.config import EngineConfig, EngineOptions
 from rlhf.rollout.conformance import ConformanceReport, check_logprobs, processed_logprobs
-from rlhf.rollout.engine import EngineError, VLLMEngine, read_checkpoint_params
+from rlhf.rollout.engine import (
+    VERIFY_MODES,
+    EngineError,
+    VLLMEngine,
+    read_checkpoint_params,
+    spot_check_names,
+)
 from rlhf.rollout.pool import EnginePool
 from rlhf.rollout.ray_engine import EngineActor, RayEngine, TransportSync, spawn_engines
 
 __all__ = [
+    "VERIFY_MODES",
     "ConformanceReport",
     "EngineActor",
     "EngineConfig",
@@ -27,4 +34,5 @@ __all__ = [
     "processed_logprobs",
     "read_checkpoint_params",
     "spawn_engines",
+    "spot_check_names",
 ]

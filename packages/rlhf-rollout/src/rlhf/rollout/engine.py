@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +40,12 @@ from rlhf.weights import (
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+VERIFY_MODES = ("off", "cheap", "full")
+"""What `VLLMEngine.update_weights` reads back after a load (bucket and tensor checksums are
+validated on receipt in every mode): ``off`` nothing; ``cheap`` the vocabulary tensors (output
+head, tied or not, and input embedding: the ones whose live handles a reload can leave stale)
+and the first tensor of every bucket; ``full`` every tensor."""
 
 
 class EngineError(RuntimeError):
@@ -414,7 +420,7 @@ class VLLMEngine:
         buckets: Sequence[WeightBucket],
         *,
         require_all: bool = True,
-        verify: bool = False,
+        verify: bool | str = False,
     ) -> int:
         """Validate a whole sync, then load it into the live engine (blocking).
 
@@ -427,9 +433,10 @@ class VLLMEngine:
             buckets: The sync (`rlhf.weights`: from a transport's receiver, or
                 `rlhf.weights.pack_buckets` in this process).
             require_all: Every checkpoint tensor must be in the sync.
-            verify: Read the loaded weights back from the engine and compare
-                (`verify_weights`); always done while the served weights are unknown (after
-                a level-2 sleep or a failed verification).
+            verify: What to read back from the engine after loading and compare
+                (`verify_weights`): a `VERIFY_MODES` name, True for ``full``, False for
+                ``off``. Always ``full`` while the served weights are unknown (after a
+                level-2 sleep or a failed verification).
 
         Returns:
             The new weight version.
@@ -441,17 +448,23 @@ class VLLMEngine:
                 "live weight updates need vllm.tensor_parallel_size=1 for now; with tensor "
                 "parallelism, restart the engine from an exported checkpoint"
             )
+        mode = _verify_mode(verify)
         buckets = list(buckets)
         version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
         self.call(_load_buckets, list(buckets))
         self.weight_version = version
-        if verify or self._unverified is not None:
+        if self._unverified is not None or mode == "full":
             self.verify_weights(buckets)
+        elif mode == "cheap":
+            self.verify_weights(buckets, names=spot_check_names(buckets))
         return version
 
-    def weight_checksums(self, algorithm: str = "blake2b-128") -> dict[str, tuple[str, str]]:
+    def weight_checksums(
+        self, algorithm: str = "blake2b-128", *, names: Collection[str] | None = None
+    ) -> dict[str, tuple[str, str]]:
         """Checkpoint name → (dtype, digest) of the weights the engine serves with, read back
-        through its own kernels (`rlhf.rollout.readback`). Tensor parallel size 1 only."""
+        through its own kernels (`rlhf.rollout.readback`), on the weights' device; only
+        ``names`` when given. Tensor parallel size 1 only."""
         if self.config.tensor_parallel_size != 1:
             raise EngineError(
                 "weight read-back needs vllm.tensor_parallel_size=1 (shards are not gathered)"
@@ -459,15 +472,22 @@ class VLLMEngine:
         digest_of(algorithm)  # an unknown name fails here, listing the known ones
         checkpoint = self.checkpoint_params()
         per_worker = self.call(
-            lambda eng: eng.collective_rpc(live_digests, args=(checkpoint, algorithm))
+            lambda eng: eng.collective_rpc(
+                live_digests, args=(checkpoint, algorithm, None if names is None else set(names))
+            )
         )
         return dict(per_worker[0])
 
-    def verify_weights(self, buckets: Sequence[WeightBucket]) -> None:
-        """Check that the engine serves exactly the weights of ``buckets``.
+    def verify_weights(
+        self, buckets: Sequence[WeightBucket], *, names: Collection[str] | None = None
+    ) -> None:
+        """Check that the engine serves exactly the weights of ``buckets`` (or only the
+        checkpoint tensors ``names`` of them).
 
         Each received tensor is cast to the dtype the engine holds it in and compared with the
         engine's read-back digest. A tied ``lm_head`` is compared with the tensor it is tied to.
+        The engine digests its weights where they are (``wsum64`` on a GPU, so nothing is
+        copied to the host; the buckets' own algorithm on a CPU) and only digests travel.
 
         Raises:
             WeightSyncError: naming every parameter that differs or that the engine does not
@@ -475,12 +495,16 @@ class VLLMEngine:
                 sync verifies (the weights are in an unknown state).
         """
         algorithm = buckets[0].checksum_algorithm if buckets else "blake2b-128"
-        live = self.weight_checksums(algorithm)
+        if self._on_gpu():
+            algorithm = "wsum64"
+        live = self.weight_checksums(algorithm, names=names)
         digest = CHECKSUMS[algorithm]
         received = dict(iter_tensors(buckets))
         for name, source in TIED.items():
             if name in live and name not in received and source in received:
                 received[name] = received[source]
+        if names is not None:
+            received = {k: v for k, v in received.items() if k in names}
         differ, absent = [], []
         for name, tensor in received.items():
             if name not in live:
@@ -505,6 +529,28 @@ class VLLMEngine:
                 "the engine does not serve the synced weights; " + "; ".join(found)
             )
         self._unverified = None
+
+    def _on_gpu(self) -> bool:
+        from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+
+        return bool(current_platform.is_cuda_alike())
+
+
+def _verify_mode(verify: bool | str) -> str:
+    if isinstance(verify, bool):
+        return "full" if verify else "off"
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES} (or a bool), got {verify!r}")
+    return verify
+
+
+def spot_check_names(buckets: Sequence[WeightBucket]) -> set[str]:
+    """What ``cheap`` verification reads back: the output head (``lm_head.weight``, also when
+    tied to the embedding), the input embedding, and the first tensor of every bucket (so a
+    bucket the loader skipped is noticed)."""
+    names = {"lm_head.weight", *TIED.values()}
+    names.update(b.tensors[0].name for b in buckets if b.tensors)
+    return names
 
 
 _SAFETENSORS_DTYPES = {

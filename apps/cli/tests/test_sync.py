@@ -1,0 +1,72 @@
+"""The weight transport of ``rlhf train``: which one the placement calls for, that a run uses
+the one it chose (the engines count the syncs they loaded by the path they arrived on), and
+that every transport delivers the actor's weights (the engines verify them after each sync)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhf.cli.config import ConfigError
+from rlhf.cli.sync import choose_transport
+
+from .conftest import rlhf, small_run
+
+
+def choose(requested: str = "auto", **where) -> str:
+    options = {"gpu": False, "colocated": False, "num_engines": 1, "nodes": 1, "nccl": False}
+    return choose_transport(requested, **{**options, **where})[0]
+
+
+def test_auto_follows_the_placement() -> None:
+    assert choose() == "shared_memory"  # one CPU machine
+    assert choose(nodes=3) == "object_store"  # several nodes, with or without GPUs
+    assert choose(gpu=True, nccl=True, nodes=2, colocated=True) == "object_store"
+    assert choose(gpu=True, colocated=True) == "cuda_ipc"  # the engine on the actor's GPU
+    # Two colocated engines: engine 1 sits on actor rank 1's GPU, which rank 0 cannot share.
+    assert choose(gpu=True, colocated=True, num_engines=2, nccl=True) == "broadcast"
+    assert choose(gpu=True, nccl=True) == "broadcast"  # engines on other GPUs
+    assert choose(gpu=True) == "object_store"  # ... without CuPy
+    assert choose("broadcast") == "broadcast"  # gloo on CPUs
+
+
+def test_impossible_requests_name_the_flag() -> None:
+    with pytest.raises(ConfigError, match="cuda_ipc needs the engine on the actor's GPU"):
+        choose("cuda_ipc", gpu=True, colocated=False)
+    with pytest.raises(ConfigError, match="shared_memory needs one machine; the cluster has 2"):
+        choose("shared_memory", nodes=2)
+    with pytest.raises(ConfigError, match="broadcast on GPUs needs CuPy"):
+        choose("broadcast", gpu=True)
+    with pytest.raises(ConfigError, match="--train.weight_transport must be one of"):
+        choose("nccl")
+
+
+@pytest.mark.parametrize(
+    ("transport", "verify"),
+    [("auto", "cheap"), ("object_store", "full"), ("broadcast", "True")],
+)
+def test_a_run_syncs_over_the_chosen_transport(assets, tmp_path, transport, verify) -> None:
+    out = rlhf(
+        "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=2),
+        "--train.weight_transport", transport, "--train.weight_bucket_mib", "1",
+        "--vllm.verify_sync", verify,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    expected = "shared_memory" if transport == "auto" else transport
+    mode = {"True": "full"}.get(verify, verify)
+    assert f"[plan] weight sync: {expected} (" in out.stdout
+    assert f"1 MiB buckets, read-back {mode}" in out.stdout
+    report = json.loads((tmp_path / "sync.json").read_text())
+    assert report["transport"] == expected
+    # Two steps, a sync after each; every sync arrived over the chosen path and verified (a
+    # sync whose read-back differs stops the run).
+    assert report["engines_loaded"] == [{expected: 2}]
+
+
+def test_a_bad_transport_or_read_back_is_refused_before_any_role_starts(assets, tmp_path) -> None:
+    base = ["train", "grpo", "--run_dir", str(tmp_path), *small_run(assets)]
+    out = rlhf(*base, "--train.weight_transport", "cuda_ipc", timeout=300)
+    assert out.returncode == 2 and "cuda_ipc needs the engine on the actor's GPU" in out.stderr
+    out = rlhf(*base, "--vllm.verify_sync", "sometimes", timeout=300)
+    assert out.returncode == 2 and "--vllm.verify_sync must be one of" in out.stderr

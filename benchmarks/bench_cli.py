@@ -14,6 +14,9 @@ experience, training, sync and the hybrid moves), and on GPUs the device memory 
 learners train and while the engines generate. Ratios: step time turn-taking / resident, free
 memory during training turn-taking / resident.
 
+With ``--transports object_store,cuda_ipc`` it runs the turn-taking configuration once per
+``--train.weight_transport`` and prints sync and step time ratios against the first.
+
 With ``--baseline-python PATH`` it measures a change instead: the resident run with this
 interpreter's rlhf against the same run with another environment's (e.g. the previous
 commit's packages installed into a copy of the environment), alternating ``--rounds`` times;
@@ -60,6 +63,7 @@ def run(
     root: pathlib.Path,
     args,
     python: str = sys.executable,
+    extra: tuple[str, ...] = (),
 ) -> dict:
     gpu = torch.cuda.is_available()
     flags = [
@@ -82,6 +86,7 @@ def run(
         flags += ["--vllm.enable_sleep", "False", "--train.deepspeed_enable_sleep", "False"]
     else:
         flags += ["--train.deepspeed_enable_sleep", "True"]
+    flags += list(extra)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(
         [python, "-m", "rlhf.cli", "train", "grpo", *flags],
@@ -134,6 +139,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--baseline-python", default="")
+    parser.add_argument("--transports", default="")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
@@ -142,6 +148,21 @@ def main() -> None:
     model = make_checkpoint(root, args.size, dtype)
     data = root / "prompts.jsonl"
     prompts(data)
+    if args.transports:
+        report = {"size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu"}
+        names = args.transports.split(",")
+        for t in names:
+            extra = ("--train.weight_transport", t)
+            report[t] = run(f"turn-taking-{t}", model, data, root, args, extra=extra)
+            print(t, json.dumps(report[t]), flush=True)
+        for t in names[1:]:
+            for key in ("sync_s", "step_s"):
+                ratio = report[t][key] / max(report[names[0]][key], 1e-9)
+                report[f"ratio_{key.removesuffix('_s')}_{t}_over_{names[0]}"] = ratio
+        print(json.dumps({k: v for k, v in report.items() if "ratio" in k}, indent=1))
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+        return
     if args.baseline_python:
         report = compare(model, data, root, args)
         print(json.dumps({k: v for k, v in report.items() if "ratio" in k}, indent=1))

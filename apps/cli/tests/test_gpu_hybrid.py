@@ -1,7 +1,7 @@
 """GPU, with ``-m gpu``: a hybrid PPO run (actor, critic, reference and one vLLM engine on one
 GPU) takes turns: the engine sleeps while the learners train, the learners' DeepSpeed states
-leave the GPU while the engine generates, and every sync after a wake is read back and
-verified (``--vllm.verify_sync``), a checkpoint and the export in between."""
+leave the GPU while the engine generates, and every sync after a wake travels by CUDA IPC and
+is checked (``--vllm.verify_sync``), a checkpoint and the export in between."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def test_a_hybrid_ppo_run_takes_turns_on_one_gpu(assets, tmp_path) -> None:
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-6000:])
     assert "colocation: bundles all: actor0+critic0+engines0+ref0" in out.stdout
     assert "engines sleep while the learners train" in out.stdout
+    # The one engine shares the actor's GPU: the weights travel by CUDA IPC, never via host.
+    assert "[plan] weight sync: cuda_ipc (auto: the engine shares the actor's GPU)" in out.stdout
+    assert json.loads((tmp_path / "sync.json").read_text())["engines_loaded"] == [{"cuda_ipc": 3}]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]

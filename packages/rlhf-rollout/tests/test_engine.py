@@ -102,3 +102,10 @@ def test_config_errors() -> None:
         EngineConfig(model="m", dtype="int8")
     with pytest.raises(ValueError, match="vllm.gpu_memory_utilization must be in"):
         EngineConfig(model="m", gpu_memory_utilization=0.0)
+
+
+def test_graphs_by_default_on_gpus_only(engine) -> None:
+    """Left unset, ``enforce_eager`` runs CUDA graphs on GPUs and eager on this CPU."""
+    assert engine.config.enforce_eager is None
+    vllm_config = engine.call(lambda eng: eng.vllm_config)
+    assert vllm_config.model_config.enforce_eager is True

@@ -119,6 +119,13 @@ def _perturbed(state, seed: int) -> dict[str, torch.Tensor]:
     return {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
 
 
+def test_gpu_engines_run_cuda_graphs_by_default(gpu_engine) -> None:
+    """``enforce_eager`` unset: vLLM compiles and captures CUDA graphs (the sleep tests below
+    then run on a graphed engine)."""
+    assert gpu_engine.config.enforce_eager is None
+    assert gpu_engine.call(lambda eng: eng.vllm_config).model_config.enforce_eager is False
+
+
 def test_gpu_engine_conforms_with_transformers(gpu_engine, checkpoint, state) -> None:
     model = _model_with(checkpoint, state)
     for sampling in (GREEDY, SamplingParams(max_new_tokens=12, temperature=0.8, top_k=30)):

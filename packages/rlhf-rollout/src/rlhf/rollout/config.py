@@ -15,7 +15,8 @@ class EngineOptions:
     Attributes:
         dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
         enforce_eager: Skip CUDA graph capture and compilation (faster start, slower steps on
-            GPUs).
+            GPUs). None: graphs on GPUs (vLLM compiles and captures them at start; sleep and
+            wake keep them), eager on CPUs.
         enable_prefix_caching: Reuse KV blocks of shared prompt prefixes.
         tensor_parallel_size: GPUs per engine.
         gpu_memory_utilization: Fraction of a GPU's memory the engine may take (weights, KV
@@ -27,7 +28,7 @@ class EngineOptions:
     """
 
     dtype: str = "auto"
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.6

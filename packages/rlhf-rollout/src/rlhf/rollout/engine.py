@@ -173,7 +173,9 @@ class VLLMEngine:
             dtype=c.dtype,
             max_model_len=c.max_model_len,
             seed=c.seed,
-            enforce_eager=c.enforce_eager,
+            enforce_eager=(
+                c.enforce_eager if c.enforce_eager is not None else current_platform.is_cpu()
+            ),
             enable_prefix_caching=c.enable_prefix_caching,
             tensor_parallel_size=c.tensor_parallel_size,
             gpu_memory_utilization=c.gpu_memory_utilization,

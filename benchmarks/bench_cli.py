@@ -20,7 +20,8 @@ With ``--transports object_store,cuda_ipc`` it runs the turn-taking configuratio
 With ``--baseline-python PATH`` it measures a change instead: the resident run with this
 interpreter's rlhf against the same run with another environment's (e.g. the previous
 commit's packages installed into a copy of the environment), alternating ``--rounds`` times;
-ratio: median step time ours / baseline, per phase too.
+ratio: median step time ours / baseline, per phase too (after one unrecorded warm-up run of
+each; use an even number of rounds so that each side goes first equally often).
 
 Usage: python benchmarks/bench_cli.py [--size tiny|0.5b] [--steps 4] [--json out.json]
        [--baseline-python PATH --rounds 3]
@@ -112,6 +113,8 @@ def compare(model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, args) -
     """The resident run with this environment against ``--baseline-python``'s, alternating."""
     runs: dict[str, list[dict]] = {"ours": [], "baseline": []}
     pythons = {"ours": sys.executable, "baseline": args.baseline_python}
+    for name in ("ours", "baseline"):  # warm-up: the first run after a pause is the slowest
+        run(f"warmup-{name}", model, data, root, args, pythons[name])
     for r in range(args.rounds):
         for name in ("ours", "baseline")[:: 1 if r % 2 == 0 else -1]:
             result = run(f"resident-{name}-{r}", model, data, root, args, pythons[name])
@@ -140,7 +143,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--baseline-python", default="")
     parser.add_argument("--transports", default="")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     root = pathlib.Path(tempfile.mkdtemp(prefix="bench-cli-"))

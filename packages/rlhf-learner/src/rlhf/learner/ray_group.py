@@ -92,11 +92,6 @@ class RankWorker:
         """``fn(backend, *args)`` in this rank's process."""
         return fn(self.backend, *args)
 
-    def close(self) -> None:
-        if self.backend is not None:
-            self.backend.close()
-            self.backend = None
-
 
 def _free_port() -> int:
     with socket.socket() as s:

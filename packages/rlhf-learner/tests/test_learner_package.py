@@ -3,6 +3,7 @@
 import importlib
 import importlib.metadata
 import importlib.resources
+import os
 import pathlib
 import subprocess
 import sys
@@ -31,8 +32,17 @@ def test_import_needs_neither_deepspeed_nor_ray() -> None:
 def test_readme_example_runs() -> None:
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    # A fresh user's environment: no process group of an earlier test in this process (its
+    # RANK/MASTER_PORT would point the example at a port that test still holds).
+    dist = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in dist}
     out = subprocess.run(
-        [sys.executable, "-c", example], capture_output=True, text=True, check=False, timeout=600
+        [sys.executable, "-c", example],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "True"

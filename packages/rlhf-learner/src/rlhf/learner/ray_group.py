@@ -159,8 +159,15 @@ class LearnerGroup:
         """(Re)build the role on every rank with the ``backend`` factory (e.g.
         `rlhf.learner.DeepSpeedBackend`; the ranks meet in one process group); returns the
         model's fingerprint."""
+        import ray
+
+        return ray.get(self.start_build(config, backend=backend))[0]
+
+    def start_build(self, config: LearnerConfig, *, backend: BackendFactory) -> list[Any]:
+        """`build` without waiting: one object ref per rank (each resolves to the model's
+        fingerprint, or raises the rank's error), so several roles can start side by side."""
         self.packing_samples = config.model.packing_samples
-        return self._all("build", config, backend)[0]
+        return [w.build.remote(config, backend) for w in self.workers]
 
     def split(
         self, batch: Batch, *, max_tokens: int | None = None, max_rows: int | None = None

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import pathlib
 import re
 import statistics
@@ -44,8 +43,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from rlhf.agents import SamplingParams
 from rlhf.rollout import EngineConfig, EnginePool, VLLMEngine

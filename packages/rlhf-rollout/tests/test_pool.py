@@ -219,6 +219,84 @@ def test_cancelling_through_the_pool_aborts_the_remote_request(ray_engines) -> N
     assert pool.metrics()["pool/engine0/in_flight"] == 0
 
 
+def test_requests_of_one_turn_share_one_actor_call(ray_engines) -> None:
+    engine = ray_engines[0]
+    prompts = [[i * 7 % 90 + 3, 11, i * 13 % 80 + 5] for i in range(12)]
+    alone = [
+        asyncio.run(engine.generate(p, SamplingParams(max_new_tokens=6, temperature=0.0)))
+        for p in prompts
+    ]
+    calls = engine.batcher.calls
+
+    async def go():
+        sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+        return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+
+    together = asyncio.run(go())
+    assert engine.batcher.calls == calls + 1
+    # Each request got its own answer, in order (greedy: the same as when sent alone).
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    for a, b in zip(together, alone, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert len({round(g.logprobs[0], 4) for g in alone}) > 6  # the prompts tell apart
+
+
+def test_results_of_one_call_stream_back_as_they_finish(ray_engines) -> None:
+    engine = ray_engines[0]
+    long_sampling = SamplingParams(max_new_tokens=120, temperature=0.0)
+    # The long request really runs 120 steps (greedy on this model emits no EOS before).
+    assert len(asyncio.run(engine.generate(PROMPT, long_sampling)).token_ids) == 120
+    calls = engine.batcher.calls
+
+    async def go():
+        short = asyncio.ensure_future(
+            engine.generate([9, 8, 7], SamplingParams(max_new_tokens=1, temperature=0.0))
+        )
+        long = asyncio.ensure_future(engine.generate(PROMPT, long_sampling))
+        done, _ = await asyncio.wait([short, long], return_when=asyncio.FIRST_COMPLETED)
+        first = [t is short for t in done]
+        await long
+        return first
+
+    assert asyncio.run(go()) == [True]
+    assert engine.batcher.calls == calls + 1
+
+
+def test_a_failing_request_fails_alone_in_its_call(ray_engines) -> None:
+    engine = ray_engines[0]
+
+    async def go():
+        sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
+        too_long = list(range(3, 300))  # more tokens than max_model_len 256
+        return await asyncio.gather(
+            engine.generate(PROMPT, sampling),
+            engine.generate(too_long, sampling),
+            engine.generate(PROMPT, sampling),
+            return_exceptions=True,
+        )
+
+    ok, failed, ok_too = asyncio.run(go())
+    assert len(ok.token_ids) == 4 and ok_too.token_ids == ok.token_ids
+    assert isinstance(failed, Exception) and "256" in str(failed)
+
+
+def test_cpu_engine_actors_run_without_torch_compile_and_a_sized_kv_cache(
+    ray_engines, checkpoint
+) -> None:
+    async def inside(engine):
+        import os
+
+        cache = engine._engine.vllm_config.cache_config
+        return os.environ.get("TORCH_COMPILE_DISABLE"), cache.num_gpu_blocks, cache.block_size
+
+    flag, blocks, block_size = asyncio.run(ray_engines[0].run(inside))
+    assert flag == "1"
+    # Sized for the engine's concurrency, not 1 GiB: max_num_seqs 8 sequences of
+    # max_model_len 256 tokens fit in whole blocks, with little to spare.
+    per_sequence = -(-256 // block_size)
+    assert 8 * per_sequence <= blocks <= 4 * 8 * per_sequence
+
+
 def _greedy_all(engines):
     async def go():
         return await asyncio.gather(*(e.generate(PROMPT, GREEDY) for e in engines))

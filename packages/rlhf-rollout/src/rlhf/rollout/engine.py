@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import json
 import os
+import pathlib
 import queue
 import threading
 import time
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 
 from rlhf.agents import Generation, SamplingParams
-from rlhf.rollout.config import EngineConfig
+from rlhf.rollout.config import EngineConfig, cpu_kv_cache_bytes
 from rlhf.rollout.readback import (
     TIED,
     live_digests,
@@ -53,6 +55,12 @@ class EngineError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=1024)
+def _hf_config(model: str) -> dict[str, Any]:
+    """The model directory's ``config.json`` contents ({} when there is none)."""
+    path = pathlib.Path(model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def _vllm_sampling(sampling: SamplingParams) -> Any:
     """vLLM's sampling parameters for ``sampling`` (cached: vLLM clones them per request)."""
     from vllm import SamplingParams as VllmSamplingParams  # pyright: ignore[reportMissingImports]
@@ -156,7 +164,6 @@ class VLLMEngine:
 
     def _build(self) -> Any:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))
         from vllm.engine.arg_utils import EngineArgs  # pyright: ignore[reportMissingImports]
         from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
         from vllm.v1.engine.llm_engine import LLMEngine  # pyright: ignore[reportMissingImports]
@@ -183,6 +190,11 @@ class VLLMEngine:
             enable_sleep_mode=c.enable_sleep_mode,
             logprobs_mode="processed_logprobs",
             **({"attention_backend": c.attention_backend} if c.attention_backend else {}),
+            **(
+                {"kv_cache_memory_bytes": cpu_kv_cache_bytes(c, _hf_config(c.model))}
+                if current_platform.is_cpu()
+                else {}
+            ),
         )
         return LLMEngine.from_engine_args(args)
 
@@ -552,8 +564,6 @@ _SAFETENSORS_DTYPES = {
 
 def read_checkpoint_params(model_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """Names, shapes and dtypes of the tensors in a checkpoint's safetensors (headers only)."""
-    import json
-    import pathlib
     import struct
 
     files = sorted(pathlib.Path(model_dir).glob("*.safetensors"))

@@ -16,10 +16,11 @@ Ray is imported when an actor is spawned; install ``rlhf-rollout[cpu]`` or ``[gp
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from rlhf.agents import Generation, SamplingParams
+from rlhf.rollout.batching import Outcome, RequestBatcher, StreamedRequests
 from rlhf.rollout.config import EngineConfig
 from rlhf.rollout.engine import VLLMEngine
 from rlhf.weights import (
@@ -52,6 +53,7 @@ class EngineActor:
         }
         self.group: BroadcastGroup | None = None
         self.loads: dict[str, int] = {}  # syncs loaded, by the path they arrived on
+        self.streamed = StreamedRequests()
 
     def _loaded(self, path: str, version: int) -> int:
         self.loads[path] = self.loads.get(path, 0) + 1
@@ -61,6 +63,17 @@ class EngineActor:
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Generation:
         return await self.engine.generate(prompt_token_ids, sampling)
+
+    async def generate_stream(
+        self, call_id: int, requests: Sequence[tuple[int, list[int], SamplingParams]]
+    ) -> AsyncIterator[list[Outcome]]:
+        """Several requests in one call; their outcomes stream back as they finish
+        (`rlhf.rollout.batching`)."""
+        async for outcomes in self.streamed.stream(call_id, requests, self.engine.generate):
+            yield outcomes
+
+    async def abort_requests(self, call_id: int, indices: Sequence[int]) -> None:
+        self.streamed.abort(call_id, indices)  # on the actor's event loop, with the requests
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``await fn(engine, *args, **kwargs)`` inside the actor."""
@@ -149,10 +162,22 @@ class EngineActor:
         self.engine.shutdown()
 
 
+def _actor_env(config: EngineConfig, env: Mapping[str, str] | None, *, gpu: bool) -> dict[str, str]:
+    """The actor's environment: ``env``, and on CPUs with an eager engine torch.compile off
+    (``TORCH_COMPILE_DISABLE=1``, unless ``env`` sets it). Such an engine compiles nothing but
+    one small sampler op (vLLM's log-prob rank count), whose first call took 2.3–2.8 s at every
+    start on a 2-core machine, for no measurable gain afterwards; TorchDynamo's switch is
+    per thread, so only the environment reaches the engine's step thread."""
+    out = dict(env or {})
+    if not gpu and config.enforce_eager is not False:
+        out.setdefault("TORCH_COMPILE_DISABLE", "1")
+    return out
+
+
 class RayEngine:
     """A `VLLMEngine` in an `EngineActor`: the same methods, blocking until the actor answered
-    (``generate`` and ``run`` are coroutines; cancelling ``generate`` cancels the remote call
-    and so the vLLM request).
+    (``generate`` and ``run`` are coroutines; the ``generate`` calls of one event-loop turn
+    travel in one actor call, and cancelling one aborts its vLLM request).
 
     Args:
         handle: The actor handle.
@@ -160,6 +185,12 @@ class RayEngine:
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+        self.batcher = RequestBatcher(handle)
+
+    def ready(self) -> Any:
+        """An object ref that resolves once the engine has started (and raises if it failed
+        to): for starting engines side by side with other processes."""
+        return self.handle.weight_version.remote()
 
     @staticmethod
     def _get(ref: Any) -> Any:
@@ -170,14 +201,9 @@ class RayEngine:
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Generation:
-        import ray
-
-        ref = self.handle.generate.remote(list(prompt_token_ids), sampling)
-        try:
-            return await ref
-        except asyncio.CancelledError:
-            ray.cancel(ref)
-            raise
+        """One request; the requests of one event-loop turn share one actor call
+        (`rlhf.rollout.batching`)."""
+        return await self.batcher.generate(prompt_token_ids, sampling)
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``await fn(engine, *args, **kwargs)`` inside the actor process."""
@@ -268,6 +294,7 @@ def spawn_engines(
     env: Mapping[str, str] | None = None,
     max_concurrency: int = 1000,
     scheduling: Sequence[Any] | None = None,
+    wait: bool = True,
 ) -> list[RayEngine]:
     """Start ``num_engines`` engine actors on the current Ray cluster and wait until ready.
 
@@ -281,6 +308,8 @@ def spawn_engines(
         max_concurrency: Concurrent calls an actor accepts.
         scheduling: One Ray scheduling strategy per engine (e.g. a placement-group bundle
             shared with learner ranks), or None.
+        wait: Block until every engine has started; False returns at once (wait on
+            `RayEngine.ready` then, e.g. while learner processes start too).
     """
     import dataclasses
 
@@ -296,7 +325,7 @@ def spawn_engines(
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,
         "max_concurrency": max_concurrency,
-        "runtime_env": {"env_vars": dict(env or {})},
+        "runtime_env": {"env_vars": _actor_env(config, env, gpu=num_gpus > 0)},
     }
     actor = ray.remote(EngineActor)
     handles = [
@@ -305,5 +334,7 @@ def spawn_engines(
         ).remote(dataclasses.replace(config, seed=config.seed + i))
         for i in range(num_engines)
     ]
-    ray.get([h.weight_version.remote() for h in handles])  # raises if an engine failed to start
-    return [RayEngine(h) for h in handles]
+    engines = [RayEngine(h) for h in handles]
+    if wait:
+        ray.get([e.ready() for e in engines])  # raises if an engine failed to start
+    return engines

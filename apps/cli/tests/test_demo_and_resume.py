@@ -50,7 +50,7 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
     assert rlhf("train", "grpo", "--run_dir", str(whole), *common).returncode == 0
     # The same run, killed (SIGKILL, with its Ray processes) once its step-2 checkpoint is in
     # place, then started again with --ckpt.load_enable.
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = dict(os.environ)
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf.cli", "train", "grpo", "--run_dir", str(part), *common],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,

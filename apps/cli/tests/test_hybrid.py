@@ -107,3 +107,38 @@ def test_learners_offload_by_default_only_where_it_frees_device_memory() -> None
     off = replace(ppo, **{"train.deepspeed_enable_sleep": False})
     assert not off.offloads_learners(gpu=True)
     assert not replace(ppo, **{"train.colocate_all": False}).offloads_learners(gpu=True)
+
+
+def test_learner_states_move_only_when_memory_requires_it() -> None:
+    from rlhf.cli.hybrid import Headroom
+
+    gib = 2**30
+    # 140 GiB device: 5 % reserve = 7 GiB.
+    roomy = Headroom(free_bytes=80 * gib, total_bytes=140 * gib, optimizer_bytes=12 * gib)
+    assert roomy.learners_fit  # 80 - 12 = 68 GiB >= 7
+    tight = Headroom(free_bytes=18 * gib, total_bytes=140 * gib, optimizer_bytes=12 * gib)
+    assert not tight.learners_fit  # 18 - 12 = 6 GiB < 7
+    edge = Headroom(free_bytes=19 * gib, total_bytes=140 * gib, optimizer_bytes=12 * gib)
+    assert edge.learners_fit  # exactly the reserve left
+    assert "80.0 GiB free with every role resident, 12.0 GiB of optimizer states" in (
+        roomy.describe()
+    )
+
+
+def test_the_headroom_counts_each_roles_optimizer_share_per_rank() -> None:
+    from rlhf.cli.hybrid import OPTIMIZER_BYTES_PER_PARAM, measure_headroom
+
+    class Group:
+        def __init__(self, seen, world_size):
+            self.seen, self.world_size = seen, world_size
+
+        def run(self, fn):
+            return [self.seen] * self.world_size
+
+    actor = Group((50 * 2**30, 140 * 2**30, 1_000_000), world_size=2)
+    critic = Group((49 * 2**30, 140 * 2**30, 400_000), world_size=2)
+    headroom = measure_headroom([actor, critic])
+    assert headroom is not None
+    assert headroom.free_bytes == 49 * 2**30  # the later look at the shared device
+    assert headroom.optimizer_bytes == OPTIMIZER_BYTES_PER_PARAM * (1_000_000 + 400_000) // 2
+    assert measure_headroom([Group(None, world_size=1)]) is None  # CPU ranks

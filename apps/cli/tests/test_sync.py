@@ -62,6 +62,23 @@ def test_a_run_syncs_over_the_chosen_transport(assets, tmp_path, transport, veri
     # Two steps, a sync after each; every sync arrived over the chosen path and verified (a
     # sync whose read-back differs stops the run).
     assert report["engines_loaded"] == [{expected: 2}]
+    if transport == "auto":  # the start-up record of the run (rlhf.cli.startup)
+        startup = json.loads((tmp_path / "startup.json").read_text())
+        phases = startup["phases_s"]
+        assert list(phases) == ["imports", "setup", "ray", "roles", "eval", "step 1"]
+        assert all(seconds >= 0 for seconds in phases.values()) and phases["imports"] > 0
+        assert startup["to_step_1_s"] == pytest.approx(sum(phases.values()), abs=0.01)
+        # The roles started side by side: each was ready within the roles phase.
+        ready = startup["roles_ready_s"]
+        assert set(ready) == {"engines", "actor", "ref"}  # grpo: KL against a reference
+        assert 0 < max(ready.values()) <= phases["roles"]
+        assert "[startup] " in out.stdout and " s to step 1: imports " in out.stdout
+        rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "time/step_s" in r]
+        assert len(steps) == 2
+        for r in steps:  # a step's wall time holds its phases
+            parts = ("generation", "experience", "training", "sync")
+            assert r["time/step_s"] >= sum(r[f"time/{p}_s"] for p in parts)
 
 
 def test_a_bad_transport_or_read_back_is_refused_before_any_role_starts(assets, tmp_path) -> None:

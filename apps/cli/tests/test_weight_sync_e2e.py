@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 
 import pytest
 import ray
@@ -67,7 +66,6 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

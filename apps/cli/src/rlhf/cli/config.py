@@ -185,7 +185,9 @@ class TrainConfig:
             optimizer states, fp32 master weights and gradient partitions leave the device
             for the weight sync, and their model weights too while the engines generate
             (`rlhf.cli.hybrid`; OpenRLHF's ``--deepspeed_enable_sleep``). None (default):
-            on GPUs when both roles run ZeRO-1/2, where it frees device memory; True: always
+            on GPUs when both roles run ZeRO-1/2 and memory requires it (the GPU's free
+            memory with every role started, less the optimizer states the first step adds,
+            under 5 % of the device; the plan prints the numbers); True: always
             (needs ZeRO-1/2; on a CPU machine the states make the round trip in host memory,
             which frees nothing and costs time); False: never.
         ref_reward_offload: Build the reference and the reward model with ZeRO-3 and their
@@ -458,8 +460,9 @@ class RLConfig:
         return all(role.deepspeed.zero_stage in (1, 2) for role in self.trained_roles)
 
     def offloads_learners(self, *, gpu: bool) -> bool:
-        """Whether hybrid placement moves the actor's (and critic's) states between phases
-        (``--train.deepspeed_enable_sleep``; unset: on GPUs, for ZeRO-1/2)."""
+        """Whether hybrid placement may move the actor's (and critic's) states between phases
+        (``--train.deepspeed_enable_sleep``; unset: on GPUs, for ZeRO-1/2, and then only
+        when `rlhf.cli.hybrid.Headroom` says memory requires it)."""
         flag = self.train.deepspeed_enable_sleep
         if not self.train.colocate_all or flag is False:
             return False

@@ -12,9 +12,10 @@ Phases, in the order a step runs them:
   then the engines' KV cache wakes.
 
 Engines sleep only where vLLM can (``--vllm.enable_sleep`` on GPUs); learners offload under
-``--train.deepspeed_enable_sleep`` (by default on GPUs with ZeRO-1/2; forced on a CPU machine,
-their states stay in host memory while DeepSpeed re-links its buffers, so the CPU tests run the
-same schedule). Checkpoints and the final export run in the ``training`` phase.
+``--train.deepspeed_enable_sleep`` (by default on GPUs with ZeRO-1/2 when memory requires it,
+`learner_moves_needed`; forced on a CPU machine, their states stay in host memory while
+DeepSpeed re-links its buffers, so the CPU tests run the same schedule). Checkpoints and the
+final export run in the ``training`` phase.
 """
 
 from __future__ import annotations
@@ -26,6 +27,68 @@ from typing import Any
 
 _PHASES = ("training", "sync", "generation")
 _TAGS = ("weights", "kv_cache")
+RESERVE_FRACTION = 0.05
+"""Device memory kept free for fragmentation and small buffers when learners stay resident."""
+OPTIMIZER_BYTES_PER_PARAM = 12
+"""What a trained parameter adds at its first optimizer step: AdamW's two fp32 moments and
+its fp32 gradient partition (8 + 4 bytes, divided among the data-parallel ranks)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Headroom:
+    """Device memory of the actor's first GPU right after every role started (engines awake
+    with their weights and KV cache, learners built but not yet stepped).
+
+    Attributes:
+        free_bytes: Free on the device (all processes counted).
+        total_bytes: The device's memory.
+        optimizer_bytes: What the trained roles' ranks on that device add at their first
+            optimizer step (`OPTIMIZER_BYTES_PER_PARAM` per trained parameter, per rank).
+    """
+
+    free_bytes: int
+    total_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def learners_fit(self) -> bool:
+        """The learners' states can stay while the engines hold their memory."""
+        reserve = RESERVE_FRACTION * self.total_bytes
+        return self.free_bytes - self.optimizer_bytes >= reserve
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (
+            f"{self.free_bytes / gib:.1f} GiB free with every role resident, "
+            f"{self.optimizer_bytes / gib:.1f} GiB of optimizer states to come, "
+            f"{RESERVE_FRACTION * self.total_bytes / gib:.1f} GiB reserve"
+        )
+
+
+def _rank_memory(backend: Any) -> tuple[int, int, int] | None:
+    """(free, total, trained parameters of this rank's model) on its CUDA device; None on CPU."""
+    import torch
+
+    if backend.device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(backend.device)
+    trained = sum(p.numel() for p in backend.engine.module.parameters() if p.requires_grad)
+    return int(free), int(total), int(trained)
+
+
+def measure_headroom(learners: Sequence[Any]) -> Headroom | None:
+    """`Headroom` on the GPU of each trained role's first rank (the actor's; colocated roles
+    share it), or None on CPUs."""
+    seen = [group.run(_rank_memory)[0] for group in learners]
+    if not seen or any(s is None for s in seen):
+        return None
+    optimizer = sum(
+        OPTIMIZER_BYTES_PER_PARAM * s[2] // g.world_size
+        for s, g in zip(seen, learners, strict=True)
+        if s is not None
+    )
+    free = min(s[0] for s in seen if s is not None)
+    return Headroom(free_bytes=free, total_bytes=seen[0][1], optimizer_bytes=optimizer)
 
 
 @dataclasses.dataclass
@@ -48,6 +111,7 @@ class TurnTaking:
     learners: Sequence[Any]
     sleep_engines: bool
     offload_learners: bool
+    why: str = ""
     phase: str = "training"
     engines_awake: set[str] = dataclasses.field(default_factory=lambda: set(_TAGS))
 
@@ -64,9 +128,9 @@ class TurnTaking:
             "the sync, their weights too while the engines generate"
             if self.offload_learners
             else "learners keep their states (--train.deepspeed_enable_sleep: by default on "
-            "GPUs with ZeRO-1/2)"
+            "GPUs with ZeRO-1/2 when memory requires it)"
         )
-        return f"hybrid turn-taking: {engines}; {learners}"
+        return f"hybrid turn-taking: {engines}; {learners}" + (f" ({self.why})" if self.why else "")
 
     def enter(self, phase: str) -> dict[str, float]:
         """Move to ``phase``; returns its metrics: ``time/hybrid_<phase>_s`` and, on GPUs,

@@ -170,9 +170,11 @@ def _train(rest: list[str]) -> int:
         return 0
     from rlhf.cli.config import RLConfig
     from rlhf.cli.rl import run_rl
+    from rlhf.cli.startup import Stopwatch
 
+    watch = Stopwatch()  # from the interpreter's start: imports and parsing count
     config = _parse(RLConfig, flags, resolve(algo), f"rlhf train {algo}")
-    run_rl(config.validate())
+    run_rl(config.validate(), stopwatch=watch)
     return 0
 
 

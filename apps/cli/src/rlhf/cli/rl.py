@@ -36,16 +36,26 @@ from rlhf.cli.plan import plan
 from rlhf.cli.roles import Roles, start_roles
 from rlhf.cli.sampling import Executors, evaluate, generate, staleness, to_samples
 from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
+from rlhf.cli.startup import Stopwatch
 from rlhf.cli.sync import Transport, choose_transport, open_transport, report
 from rlhf.learner import MicroBatching, latest_checkpoint, make_experience, ppo_update
 
 
-def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run ``rlhf train <algorithm>``; returns the last step's metrics and the evaluations."""
+def run_rl(
+    config: RLConfig,
+    *,
+    echo: Callable[[str], None] = print,
+    stopwatch: Stopwatch | None = None,
+) -> dict[str, Any]:
+    """Run ``rlhf train <algorithm>``; returns the last step's metrics and the evaluations.
+
+    ``stopwatch`` times the start-up (`rlhf.cli.startup`; a fresh one from this call when
+    None); its record goes to ``run_dir/startup.json`` after the first step."""
     from transformers import AutoTokenizer
 
     from rlhf.learner import check_model_dir
 
+    watch = stopwatch or Stopwatch(since_process_start=False)
     config.validate()
     for path in config.model_dirs():
         check_model_dir(path)
@@ -62,7 +72,9 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
     log = open_sinks(
         config.train, run_dir=run_dir, run_config=resolved, resume=config.ckpt.load_enable
     )
-    cluster = start_ray(env_vars={"VLLM_CPU_KVCACHE_SPACE": str(config.vllm.cpu_kv_cache_gib)})
+    watch.lap("setup")
+    cluster = start_ray()
+    watch.lap("ray")
     t = config.train
     transport, why = choose_transport(
         t.weight_transport,
@@ -73,7 +85,9 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
         nccl=cluster.nccl,
     )
     total_optimizer_steps = t.num_steps * config.optimizer_steps_per_rollout
-    roles = start_roles(config, gpu=cluster.gpu, total_optimizer_steps=total_optimizer_steps)
+    roles = start_roles(
+        config, gpu=cluster.gpu, total_optimizer_steps=total_optimizer_steps, stopwatch=watch
+    )
     executors.generator = roles.pool
     if roles.turns is not None:
         echo(f"[plan] {roles.turns.describe()}")
@@ -98,8 +112,10 @@ def run_rl(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str
             log=log,
             ckpt_root=run_dir / "checkpoints",
             echo=echo,
+            stopwatch=watch,
         )
         (run_dir / "placement.json").write_text(json.dumps(roles.report_placement(), indent=1))
+        watch.lap("roles")
         start, queue = driver.resume() if config.ckpt.load_enable else (0, [])
         driver.progress = Progress(total=config.train.num_steps, start=start)
         asyncio.run(driver.run(start, queue))
@@ -131,6 +147,8 @@ class RLDriver:
     ckpt_root: pathlib.Path
     echo: Callable[[str], None]
     progress: Progress | None = None
+    stopwatch: Stopwatch | None = None
+    step_began: float = 0.0
     last: dict[str, Any] = dataclasses.field(default_factory=dict)
     evaluations: list[dict[str, float]] = dataclasses.field(default_factory=list)
     trained_sampler_state: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -156,6 +174,9 @@ class RLDriver:
         self.enter("generation")
         if self.eval_prompts and self.config.eval.steps and start == 0:
             await self.evaluate(0)
+        if self.stopwatch is not None:
+            self.stopwatch.lap("resume" if start else "eval")
+        self.step_began = time.perf_counter()
         if t.async_enable:
             await run_asynchronous(
                 self,
@@ -251,8 +272,18 @@ class RLDriver:
         metrics.update(self.hybrid_metrics)
         self.hybrid_metrics = {}
         metrics["step"] = step + 1
+        # The step's wall time: since the previous step's row (after its evaluation and
+        # checkpoint), so generation, learning, sync and what the driver adds between them.
+        metrics["time/step_s"] = time.perf_counter() - self.step_began
         self.last = metrics
         self.log.write(metrics)
+        if self.stopwatch is not None:
+            self.stopwatch.lap("step 1")
+            (self.ckpt_root.parent / "startup.json").write_text(
+                json.dumps(self.stopwatch.report(), indent=1)
+            )
+            self.echo(f"[startup] {self.stopwatch.line()}")
+            self.stopwatch = None
         if self.progress is not None:
             self.echo(self.progress.line(step + 1, metrics))
         self.echo(summary_line(metrics))
@@ -261,6 +292,7 @@ class RLDriver:
             await self.evaluate(step + 1)
         if self.saves_at(step):
             await asyncio.to_thread(self.save, step, queue)
+        self.step_began = time.perf_counter()
 
     def save(self, step: int, queue: list[Rollout]) -> None:
         """A checkpoint after ``step``: the learners' states and the run's (step, prompt

@@ -1,6 +1,11 @@
 """The processes of an RL run: vLLM engines and learner rank groups on Ray, where the
 placement (`rlhf.cli.placement`) puts them, and the hybrid turn-taking between them.
 
+Every role starts at once and the run waits for all of them (their imports, model loads and
+DeepSpeed or vLLM initialisation overlap), except where engines share GPUs with learners:
+vLLM sizes its KV cache from the memory free while it starts, so there the engines start
+first and the learners after them.
+
 Which learner roles run, and with which settings, is `role_configs` (pure, from the config);
 `start_roles` builds them: the reference when ``--algo.kl.init_coef > 0``, the critic when the
 estimator needs one (``rlhf.algos``), the reward model for ``--train.reward_model_path``.
@@ -9,11 +14,14 @@ estimator needs one (``rlhf.algos``), the reward model for ``--train.reward_mode
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlhf.cli.config import RLConfig, RoleConfig, VllmConfig
-from rlhf.cli.hybrid import TurnTaking
+from rlhf.cli.hybrid import TurnTaking, measure_headroom
 from rlhf.cli.placement import Placement, place, placement_group_of_this_process
+from rlhf.cli.startup import Stopwatch
 from rlhf.learner import LearnerConfig, LearnerGroup, ModelConfig
 from rlhf.rollout import EngineConfig, EnginePool, RayEngine
 
@@ -122,8 +130,10 @@ def start_engines(
     sleep: bool,
     placement: Placement,
     gpu: bool,
+    wait: bool = True,
 ) -> list[RayEngine]:
-    """``--vllm.num_engines`` engine actors serving ``model``."""
+    """``--vllm.num_engines`` engine actors serving ``model`` (``wait``: until they have
+    started; else wait on `RayEngine.ready`)."""
     from rlhf.rollout import spawn_engines
 
     engine = EngineConfig.of(
@@ -135,13 +145,15 @@ def start_engines(
         num_cpus=vllm.num_cpus,
         num_gpus=placement.gpus.get("engines", float(vllm.tensor_parallel_size) if gpu else 0.0),
         scheduling=placement.scheduling.get("engines"),
+        wait=wait,
     )
 
 
 def start_learner(
     name: str, role: RoleConfig, learner: LearnerConfig, *, placement: Placement, gpu: bool
-) -> LearnerGroup:
-    """The ranks of one role, built with the DeepSpeed backend."""
+) -> tuple[LearnerGroup, list[Any]]:
+    """The ranks of one role, building with the DeepSpeed backend: the group and one object
+    ref per rank that resolves when its rank is built."""
     from rlhf.learner import DeepSpeedBackend
 
     group = LearnerGroup(
@@ -150,14 +162,42 @@ def start_learner(
         num_gpus_per_rank=placement.gpus.get(name, role.num_gpus_per_rank) if gpu else 0.0,
         scheduling=placement.scheduling.get(name),
     )
-    group.build(learner, backend=DeepSpeedBackend)
-    return group
+    return group, group.start_build(learner, backend=DeepSpeedBackend)
 
 
-def start_roles(config: RLConfig, *, gpu: bool, total_optimizer_steps: int) -> Roles:
-    """Place and start every process of the run; they are ready when this returns."""
+def wait_ready(pending: Mapping[str, Sequence[Any]]) -> dict[str, float]:
+    """Wait until every role's object refs resolve; returns the seconds each role took from
+    this call, and raises the first failure a role reports."""
+    import ray
+
+    start = time.perf_counter()
+    owner = {ref: name for name, refs in pending.items() for ref in refs}
+    left = {name: len(refs) for name, refs in pending.items()}
+    ready: dict[str, float] = {}
+    remaining = list(owner)
+    while remaining:
+        done, remaining = ray.wait(remaining, num_returns=1)
+        ray.get(done)  # raises the role's error (e.g. a model that does not load)
+        name = owner[done[0]]
+        left[name] -= 1
+        if not left[name]:
+            ready[name] = time.perf_counter() - start
+    return ready
+
+
+def start_roles(
+    config: RLConfig,
+    *,
+    gpu: bool,
+    total_optimizer_steps: int,
+    stopwatch: Stopwatch | None = None,
+) -> Roles:
+    """Place and start every process of the run; they are ready when this returns (when
+    each became ready goes to ``stopwatch``)."""
     placement = place(config, gpu=gpu)
     sleep = gpu and config.train.colocate_all and config.vllm.enable_sleep
+    side_by_side = not (gpu and config.train.colocate_all)
+    start = time.perf_counter()
     engines = start_engines(
         config.vllm,
         model=config.actor.model.path,
@@ -166,21 +206,36 @@ def start_roles(config: RLConfig, *, gpu: bool, total_optimizer_steps: int) -> R
         sleep=sleep,
         placement=placement,
         gpu=gpu,
+        wait=not side_by_side,
     )
-    groups = {
-        name: start_learner(name, role, learner, placement=placement, gpu=gpu)
-        for name, (role, learner) in role_configs(
-            config, total_optimizer_steps=total_optimizer_steps
-        ).items()
-    }
+    ready = {} if side_by_side else {"engines": time.perf_counter() - start}
+    pending: dict[str, Sequence[Any]] = {"engines": [e.ready() for e in engines]}
+    groups: dict[str, LearnerGroup] = {}
+    for name, (role, learner) in role_configs(
+        config, total_optimizer_steps=total_optimizer_steps
+    ).items():
+        groups[name], pending[name] = start_learner(
+            name, role, learner, placement=placement, gpu=gpu
+        )
+    waited_from = time.perf_counter() - start
+    ready.update({n: waited_from + s for n, s in wait_ready(pending).items() if n not in ready})
+    if stopwatch is not None:
+        for name, seconds in ready.items():
+            stopwatch.ready(name, seconds)
     turns = None
     if config.train.colocate_all:
         trained = [g for name, g in groups.items() if name in ("actor", "critic")]
+        offload, why = config.offloads_learners(gpu=gpu), ""
+        if offload and config.train.deepspeed_enable_sleep is None:
+            headroom = measure_headroom(trained)  # only when memory requires it
+            if headroom is not None:
+                offload, why = not headroom.learners_fit, headroom.describe()
         turns = TurnTaking(
             engines=engines,
             learners=trained,
             sleep_engines=sleep,
-            offload_learners=config.offloads_learners(gpu=gpu),
+            offload_learners=offload,
+            why=why,
         )
     return Roles(
         engines=engines,

@@ -207,3 +207,17 @@ def bench(session: nox.Session) -> None:
         REPORTS.mkdir(exist_ok=True)
         session.run("python", str(ROOT / "benchmarks" / f"bench_{target}.py"), "--json", str(out))
         session.log(json.dumps(json.loads(out.read_text()), indent=2))
+
+
+@nox.session(name="bench_trl", python="3.11")
+def bench_trl(session: nox.Session) -> None:
+    """The demo's RL stage against TRL's GRPOTrainer (installs TRL; never in the default run):
+    `nox -s bench_trl -- [--steps 40] [--rounds 2]` (see benchmarks/README.md)."""
+    _install_member(session, "cli")
+    session.install("-c", str(CONSTRAINTS), "trl==1.16.0", "datasets>=4.7")
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU, silent=True)
+    out = REPORTS / "bench-trl.json"
+    REPORTS.mkdir(exist_ok=True)
+    session.run(
+        "python", str(ROOT / "benchmarks" / "bench_trl.py"), "--json", str(out), *session.posargs
+    )

@@ -88,7 +88,7 @@ def run(
     else:
         flags += ["--train.deepspeed_enable_sleep", "True"]
     flags += list(extra)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(
         [python, "-m", "rlhf.cli", "train", "grpo", *flags],
         capture_output=True, text=True, env=env, check=False,

@@ -235,6 +235,76 @@ def bench_throughput(
     return out
 
 
+# -- 1b. where the engine runs: this process or a Ray actor, eager or graphed -----------------
+def bench_placement(size: str, *, eager: bool, rounds: int) -> dict[str, Any]:
+    """Tokens/s of one engine in this process against one in a Ray actor (same options, both
+    alive, alternating rounds, the same requests sent from asyncio), for one graphs setting.
+    On a GPU each engine takes 30 % of it."""
+    import ray
+
+    from rlhf.rollout import spawn_engines
+
+    gpu = torch.cuda.is_available()
+    shape = WORKLOAD["cuda" if gpu else "cpu"]
+    gen = torch.Generator().manual_seed(2)
+    batch = [
+        torch.randint(3, 300, (shape["prompt_len"],), generator=gen).tolist()
+        for _ in range(shape["prompts"])
+    ]
+    sampling = SamplingParams(max_new_tokens=shape["max_new"], temperature=1.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_checkpoint(
+            pathlib.Path(tmp), size, torch.bfloat16 if gpu else torch.float32
+        )
+        config = EngineConfig(
+            model=str(model_dir),
+            dtype="bfloat16" if gpu else "float32",
+            max_model_len=1024,
+            max_num_seqs=256 if gpu else 32,
+            gpu_memory_utilization=0.3,
+            enforce_eager=eager,
+        )
+        tick = time.perf_counter()
+        local = VLLMEngine(config).start()
+        start_local = time.perf_counter() - tick
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        tick = time.perf_counter()
+        (remote,) = spawn_engines(config, 1, num_cpus=1)
+        start_actor = time.perf_counter() - tick
+
+        def rate(engine: Any) -> float:
+            async def go() -> int:
+                outs = await asyncio.gather(
+                    *(engine.generate(p, sampling) for p in batch for _ in range(shape["n"]))
+                )
+                return sum(len(g.token_ids) for g in outs)
+
+            tick = time.perf_counter()
+            tokens = asyncio.run(go())
+            return tokens / (time.perf_counter() - tick)
+
+        rates: dict[str, list[float]] = {"process": [], "actor": []}
+        try:
+            for r in range(rounds + 1):  # round 0 warms up
+                for name in ("process", "actor") if r % 2 else ("actor", "process"):
+                    value = rate(local if name == "process" else remote)
+                    if r:
+                        rates[name].append(value)
+        finally:
+            remote.shutdown()
+            ray.shutdown()
+            local.shutdown()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {
+        "eager": eager,
+        "process_tokens_per_s": med["process"],
+        "actor_tokens_per_s": med["actor"],
+        "ratio_actor_over_process": med["actor"] / med["process"],
+        "start_s_process": start_local,
+        "start_s_actor": start_actor,
+    }
+
+
 # -- 2. weight sync --------------------------------------------------------------------------
 _FUSED = [
     (re.compile(r"\.(q|k|v)_proj\."), ".qkv_proj."),
@@ -447,10 +517,21 @@ def main() -> None:
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray actor variants")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one size
     parser.add_argument("--throughput", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--placement",
+        action="store_true",
+        help="engine in this process vs in a Ray actor, eager and graphed (first size only)",
+    )
+    parser.add_argument("--eager", default=None, help=argparse.SUPPRESS)  # internal
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     rounds = args.rounds or (2 if args.quick else 5)
     use_ray = not gpu and not args.no_ray
+    if args.one and args.eager is not None:
+        entry = bench_placement(args.one, eager=args.eager == "1", rounds=rounds)
+        assert args.json is not None
+        args.json.write_text(json.dumps(entry))
+        return
     if args.one:
         entry = run_size(args.one, throughput=args.throughput, rounds=rounds, use_ray=use_ray)
         assert args.json is not None
@@ -465,6 +546,23 @@ def main() -> None:
         "vllm": vllm.__version__,
     }
     with tempfile.TemporaryDirectory() as tmp:
+        for eager in ("1", "0") if args.placement else ():
+            out = pathlib.Path(tmp) / f"placement-{eager}.json"
+            cmd = [sys.executable, __file__, "--one", sizes[0], "--eager", eager]
+            subprocess.run([*cmd, "--json", str(out), *["--quick"] * args.quick], check=True)
+            entry = json.loads(out.read_text())
+            results[f"placement_{'eager' if eager == '1' else 'graphs'}"] = entry
+            print(f"[placement] {json.dumps(entry)}", flush=True)
+        if args.placement:
+            eager_, graphs = results["placement_eager"], results["placement_graphs"]
+            for where in ("process", "actor"):
+                results[f"ratio_graphs_over_eager_{where}"] = (
+                    graphs[f"{where}_tokens_per_s"] / eager_[f"{where}_tokens_per_s"]
+                )
+            print(json.dumps(results, indent=2))
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=2))
+            return
         for i, size in enumerate(sizes):
             if size not in SHAPES:
                 raise SystemExit(f"unknown size {size!r}; choose from {sorted(SHAPES)}")

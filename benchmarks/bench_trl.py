@@ -1,0 +1,254 @@
+"""The demo's RL stage against TRL's `GRPOTrainer`, side by side on one machine.
+
+Both start from the same warm-started model (the demo's SFT, made once here), train GRPO on the
+same prompts with the same budget (``--steps`` steps of 16 prompts × 8 samples, at most 6 new
+tokens, temperature 1, lr 1e-3 constant, grad clip 1, KL off, one optimizer step per batch,
+token-mean loss), and are scored by one evaluator: transformers sampling 4 answers at
+temperature 1 for each of the 200 held-out prompts (pass@1 = mean exact match). Runs alternate
+(ours, TRL, ours, TRL, …), each in a fresh process; a warm-up run of each goes first and is not
+counted (DeepSpeed's op build, compile caches).
+
+Per run: time to step 1 (process start → first step done), median step wall time (steps 2…N),
+RL wall time, final pass@1. Ratios: ours / TRL for step time and time to step 1.
+
+Ours is ``rlhf demo --sft_model …`` (vLLM engine, DeepSpeed learner, Ray), with its start-up
+record (``startup.json``) and per-step ``time/step_s``; TRL's run is this file with ``--trl``
+(generation with transformers ``generate``, one process). Thread counts: each of our processes
+runs torch with one thread (Ray gives each actor one), TRL's single process uses torch's default
+(``--trl-threads``, default: the machine's cores); both are printed.
+
+Usage (nox installs TRL in a session of its own): ``nox -s bench_trl -- [--steps 40] [--rounds 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+TRL_VERSION = "1.16.0"
+
+
+# -- TRL's side (runs in its own process) ---------------------------------------------------
+def run_trl(*, model: str, train: str, out: str, steps: int, seed: int, threads: int) -> None:
+    started = time.time()
+    import psutil
+    import torch
+
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    process_start = psutil.Process().create_time()
+    rows = [json.loads(line) for line in pathlib.Path(train).read_text().splitlines()]
+    dataset = Dataset.from_list([{"prompt": r["input"], "label": r["label"]} for r in rows])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def exact_match(completions: list[str], label: list[str], **_: Any) -> list[float]:
+        return [float(c.strip() == y) for c, y in zip(completions, label, strict=True)]
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.ends.append(time.time())
+
+    clock = Clock()
+    config = GRPOConfig(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=128,
+        gradient_accumulation_steps=1,
+        num_generations=8,
+        max_completion_length=6,
+        temperature=1.0,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        loss_type="dapo",  # token-mean over the batch, as our grpo preset
+        scale_rewards="group",
+        num_iterations=1,
+        seed=seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+        reward_funcs=exact_match,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.train()
+    trainer.save_model(str(pathlib.Path(out) / "final"))
+    tokenizer.save_pretrained(str(pathlib.Path(out) / "final"))
+    ends = clock.ends
+    record = {
+        "to_step_1_s": ends[0] - process_start,
+        "step_s": [b - a for a, b in itertools.pairwise(ends)],
+        "rl_wall_s": ends[-1] - started,
+        "threads": torch.get_num_threads(),
+    }
+    (pathlib.Path(out) / "bench.json").write_text(json.dumps(record))
+
+
+# -- one evaluator for both -----------------------------------------------------------------
+def pass_at_1(model_dir: str, eval_rows: list[dict[str, str]], *, seed: int) -> float:
+    """Mean exact match of 4 sampled answers (temperature 1, ≤ 6 new tokens) per prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [r["input"] for r in eval_rows for _ in range(4)]
+    labels = [r["label"] for r in eval_rows for _ in range(4)]
+    ids = torch.tensor([tokenizer.encode(p) for p in prompts])  # equal lengths ("dddd:")
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=6,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    answers = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+    return sum(a.strip() == y for a, y in zip(answers, labels, strict=True)) / len(labels)
+
+
+# -- the driver -----------------------------------------------------------------------------
+def _ours(work: pathlib.Path, name: str, sft: str, steps: int, seed: int) -> dict[str, Any]:
+    run = work / name
+    cmd = ["rlhf", "demo", "--run_dir", str(run), "--sft_model", sft, "--rl_steps", str(steps)]
+    cmd += ["--eval_steps", str(steps), "--seed", str(seed)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ))
+    summary = json.loads((run / "summary.json").read_text())
+    startup = json.loads((run / "rl" / "startup.json").read_text())
+    rows = [json.loads(x) for x in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    step_s = [r["time/step_s"] for r in rows if "time/step_s" in r][1:]
+    return {
+        "to_step_1_s": startup["to_step_1_s"],
+        "startup": startup,
+        "step_s": statistics.median(step_s),
+        "rl_wall_s": summary["rl_wall_s"],
+        "model": str(run / "rl" / "final"),
+        "threads": 1,
+    }
+
+
+def _trl(work: pathlib.Path, name: str, sft: str, train: str, steps: int, seed: int, threads: int):
+    out = work / name
+    cmd = [sys.executable, __file__, "--trl", "--model", sft, "--train", train, "--out", str(out)]
+    cmd += ["--steps", str(steps), "--seed", str(seed), "--trl-threads", str(threads)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    record = json.loads((out / "bench.json").read_text())
+    return {
+        "to_step_1_s": record["to_step_1_s"],
+        "step_s": statistics.median(record["step_s"][1:]),
+        "rl_wall_s": record["rl_wall_s"],
+        "model": str(out / "final"),
+        "threads": record["threads"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--json", type=pathlib.Path, default=None)
+    parser.add_argument("--work", type=pathlib.Path, default=None)
+    # TRL's run (internal)
+    parser.add_argument("--trl", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--train", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl:
+        run_trl(
+            model=args.model,
+            train=args.train,
+            out=args.out,
+            steps=args.steps,
+            seed=args.seed,
+            threads=args.trl_threads,
+        )
+        return
+
+    work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="bench-trl-"))
+    print(f"[bench_trl] work dir {work}; warm start and warm-up runs first", flush=True)
+    subprocess.run(
+        ["rlhf", "demo", "--run_dir", str(work / "warm"), "--rl_steps", "2", "--eval_steps", "2"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    sft = str(work / "warm" / "sft" / "final")
+    assets = work / "warm" / "assets"
+    train = str(assets / "train.jsonl")
+    eval_rows = [json.loads(x) for x in (assets / "eval.jsonl").read_text().splitlines()]
+    _trl(work, "trl-warm", sft, train, 2, args.seed, args.trl_threads)
+
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
+    for k in range(args.rounds):
+        for side in ("ours", "trl") if k % 2 == 0 else ("trl", "ours"):
+            if side == "ours":
+                result = _ours(work, f"ours-{k}", sft, args.steps, args.seed + k)
+            else:
+                result = _trl(
+                    work, f"trl-{k}", sft, train, args.steps, args.seed + k, args.trl_threads
+                )
+            result["pass@1"] = pass_at_1(result["model"], eval_rows, seed=args.seed)
+            runs[side].append(result)
+            print(
+                f"[bench_trl] round {k} {side}: step {result['step_s']:.3f} s, "
+                f"to step 1 {result['to_step_1_s']:.1f} s, RL wall {result['rl_wall_s']:.1f} s, "
+                f"pass@1 {result['pass@1']:.3f}",
+                flush=True,
+            )
+
+    def med(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[side])
+
+    report = {
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": {"ours_per_process": 1, "trl": runs["trl"][0]["threads"]},
+        "sft_pass@1": pass_at_1(sft, eval_rows, seed=args.seed),
+        **{
+            f"{side}_{key}": med(side, key)
+            for side in runs
+            for key in ("step_s", "to_step_1_s", "rl_wall_s", "pass@1")
+        },
+        "ours_startup_phases_s": runs["ours"][-1]["startup"]["phases_s"],
+        "ratio_step_ours_over_trl": med("ours", "step_s") / med("trl", "step_s"),
+        "ratio_to_step_1_ours_over_trl": med("ours", "to_step_1_s") / med("trl", "to_step_1_s"),
+        "per_round": runs,
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "per_round"}, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -198,16 +198,17 @@ def main() -> None:
 
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="bench-trl-"))
     print(f"[bench_trl] work dir {work}; warm start and warm-up runs first", flush=True)
-    subprocess.run(
-        ["rlhf", "demo", "--run_dir", str(work / "warm"), "--rl_steps", "2", "--eval_steps", "2"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    if not (work / "warm" / "sft" / "final").is_dir():  # a --work of an earlier run keeps it
+        subprocess.run(
+            ["rlhf", "demo", "--run_dir", str(work / "warm"), "--rl_steps", "3"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     sft = str(work / "warm" / "sft" / "final")
     assets = work / "warm" / "assets"
     train = str(assets / "train.jsonl")
     eval_rows = [json.loads(x) for x in (assets / "eval.jsonl").read_text().splitlines()]
-    _trl(work, "trl-warm", sft, train, 2, args.seed, args.trl_threads)
+    _trl(work, "trl-warm", sft, train, 3, args.seed, args.trl_threads)
 
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
     for k in range(args.rounds):

@@ -174,6 +174,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
     """Make the assets, warm-start by SFT, run RL; returns the start and end evaluations."""
     from rlhf.cli.rl import run_rl
     from rlhf.cli.sft import SFTConfig, run_sft
+    from rlhf.cli.startup import Stopwatch
     from rlhf.learner import ModelConfig, OptimizerConfig
 
     started = time.perf_counter()
@@ -201,7 +202,10 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
         )
     )
     rl_started = time.perf_counter()
-    rl = run_rl(rl_config(config, pathlib.Path(sft["model"]), data), echo=echo)
+    # Without a warm start in this process, the RL stage's start-up counts from the
+    # interpreter's start (imports, assets), as `rlhf train` does.
+    watch = Stopwatch(since_process_start=bool(config.sft_model))
+    rl = run_rl(rl_config(config, pathlib.Path(sft["model"]), data), echo=echo, stopwatch=watch)
     rl_wall = time.perf_counter() - rl_started
     evaluations = rl["evaluations"]
     key = next(k for k in evaluations[0] if k.endswith("/pass@1"))

@@ -59,11 +59,6 @@ class EngineActor:
         self.loads[path] = self.loads.get(path, 0) + 1
         return version
 
-    async def generate(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams
-    ) -> Generation:
-        return await self.engine.generate(prompt_token_ids, sampling)
-
     async def generate_stream(
         self, call_id: int, requests: Sequence[tuple[int, list[int], SamplingParams]]
     ) -> AsyncIterator[list[Outcome]]:

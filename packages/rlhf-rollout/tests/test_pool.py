@@ -241,6 +241,35 @@ def test_requests_of_one_turn_share_one_actor_call(ray_engines) -> None:
     assert len({round(g.logprobs[0], 4) for g in alone}) > 6  # the prompts tell apart
 
 
+def test_two_callers_of_one_engine_actor_keep_their_calls_apart(ray_engines) -> None:
+    # Two wrappers of one actor (as when an engine handle reaches another process) each have
+    # a call in flight; cancelling the first one's request aborts that request, not the
+    # second one's.
+    engine = ray_engines[0]
+    first, second = engine, RayEngine(engine.handle)
+    before = engine.metrics()["engine/requests_aborted"]
+    assert engine.pause() == 0
+    try:
+
+        async def go():
+            a = asyncio.create_task(first.generate(PROMPT, GREEDY))
+            await asyncio.sleep(0.2)  # a's call reaches the actor first
+            b = asyncio.create_task(second.generate([9, 8, 7, 6], GREEDY))
+            await asyncio.sleep(0.5)
+            a.cancel()
+            await asyncio.sleep(0.5)
+            engine.resume()
+            with pytest.raises(asyncio.CancelledError):
+                await a
+            return await b
+
+        kept = asyncio.run(go())
+    finally:
+        engine.resume()
+    assert len(kept.token_ids) == GREEDY.max_new_tokens
+    assert engine.metrics()["engine/requests_aborted"] == before + 1
+
+
 def test_results_of_one_call_stream_back_as_they_finish(ray_engines) -> None:
     engine = ray_engines[0]
     long_sampling = SamplingParams(max_new_tokens=120, temperature=0.0)

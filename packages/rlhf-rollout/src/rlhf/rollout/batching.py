@@ -14,7 +14,7 @@ by a long one of the same call. Cancelling a caller's request aborts it in the e
 from __future__ import annotations
 
 import asyncio
-import itertools
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +29,7 @@ Outcome = tuple[int, Generation | None, BaseException | None]
 class _Call:
     """The requests of one event-loop turn."""
 
-    id: int
+    id: str
     requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
     futures: list[asyncio.Future[Generation]] = field(default_factory=list)
     sent: bool = False
@@ -45,7 +45,6 @@ class RequestBatcher:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
         self._open: dict[asyncio.AbstractEventLoop, _Call] = {}
-        self._ids = itertools.count()
         self._drivers: set[asyncio.Task[None]] = set()
         self.calls = 0  # actor calls made (for tests and benchmarks)
 
@@ -55,7 +54,8 @@ class RequestBatcher:
         loop = asyncio.get_running_loop()
         call = self._open.get(loop)
         if call is None:
-            call = self._open[loop] = _Call(next(self._ids))
+            # Unique across callers: several batchers (processes) may share one actor.
+            call = self._open[loop] = _Call(uuid.uuid4().hex)
             loop.call_soon(self._send, loop)
         index = len(call.requests)
         future: asyncio.Future[Generation] = loop.create_future()
@@ -113,11 +113,11 @@ class StreamedRequests:
     can abort some of them."""
 
     def __init__(self) -> None:
-        self._tasks: dict[int, dict[int, asyncio.Task[Generation]]] = {}
+        self._tasks: dict[str, dict[int, asyncio.Task[Generation]]] = {}
 
     async def stream(
         self,
-        call_id: int,
+        call_id: str,
         requests: Sequence[tuple[int, list[int], SamplingParams]],
         generate: Callable[[list[int], SamplingParams], Awaitable[Generation]],
     ) -> AsyncIterator[list[Outcome]]:
@@ -134,9 +134,9 @@ class StreamedRequests:
         finally:
             for task in pending:
                 task.cancel()
-            del self._tasks[call_id]
+            self._tasks.pop(call_id, None)
 
-    def abort(self, call_id: int, indices: Sequence[int]) -> None:
+    def abort(self, call_id: str, indices: Sequence[int]) -> None:
         for i in indices:
             task = self._tasks.get(call_id, {}).get(i)
             if task is not None:

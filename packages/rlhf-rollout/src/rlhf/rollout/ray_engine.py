@@ -60,14 +60,14 @@ class EngineActor:
         return version
 
     async def generate_stream(
-        self, call_id: int, requests: Sequence[tuple[int, list[int], SamplingParams]]
+        self, call_id: str, requests: Sequence[tuple[int, list[int], SamplingParams]]
     ) -> AsyncIterator[list[Outcome]]:
         """Several requests in one call; their outcomes stream back as they finish
         (`rlhf.rollout.batching`)."""
         async for outcomes in self.streamed.stream(call_id, requests, self.engine.generate):
             yield outcomes
 
-    async def abort_requests(self, call_id: int, indices: Sequence[int]) -> None:
+    async def abort_requests(self, call_id: str, indices: Sequence[int]) -> None:
         self.streamed.abort(call_id, indices)  # on the actor's event loop, with the requests
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

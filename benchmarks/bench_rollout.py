@@ -101,6 +101,20 @@ def make_checkpoint(root: pathlib.Path, size: str, dtype: torch.dtype) -> pathli
     return path
 
 
+def bench_engine(
+    model_dir: pathlib.Path, *, gpu: bool, utilization: float, eager: bool
+) -> EngineConfig:
+    """The benchmarks' engine: bf16 with 256 sequences on a GPU, fp32 with 32 on a CPU."""
+    return EngineConfig(
+        model=str(model_dir),
+        dtype="bfloat16" if gpu else "float32",
+        max_model_len=1024,
+        max_num_seqs=256 if gpu else 32,
+        gpu_memory_utilization=utilization,
+        enforce_eager=eager,
+    )
+
+
 def interleaved_medians(timings: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """Median seconds of each callable over ``repeats`` rounds that run them in turn."""
     runs: dict[str, list[float]] = {name: [] for name in timings}
@@ -256,14 +270,7 @@ def bench_placement(size: str, *, eager: bool, rounds: int) -> dict[str, Any]:
         model_dir = make_checkpoint(
             pathlib.Path(tmp), size, torch.bfloat16 if gpu else torch.float32
         )
-        config = EngineConfig(
-            model=str(model_dir),
-            dtype="bfloat16" if gpu else "float32",
-            max_model_len=1024,
-            max_num_seqs=256 if gpu else 32,
-            gpu_memory_utilization=0.3,
-            enforce_eager=eager,
-        )
+        config = bench_engine(model_dir, gpu=gpu, utilization=0.3, eager=eager)
         tick = time.perf_counter()
         local = VLLMEngine(config).start()
         start_local = time.perf_counter() - tick
@@ -472,14 +479,7 @@ def run_size(size: str, *, throughput: bool, rounds: int, use_ray: bool) -> dict
         model_dir = make_checkpoint(
             pathlib.Path(tmp), size, torch.bfloat16 if gpu else torch.float32
         )
-        config = EngineConfig(
-            model=str(model_dir),
-            dtype="bfloat16" if gpu else "float32",
-            max_model_len=1024,
-            max_num_seqs=256 if gpu else 32,
-            gpu_memory_utilization=0.5,
-            enforce_eager=not gpu,
-        )
+        config = bench_engine(model_dir, gpu=gpu, utilization=0.5, eager=not gpu)
         engine = VLLMEngine(config).start()
         if throughput:
             shape = WORKLOAD[device]

@@ -209,7 +209,9 @@ def start_roles(
         wait=not side_by_side,
     )
     ready = {} if side_by_side else {"engines": time.perf_counter() - start}
-    pending: dict[str, Sequence[Any]] = {"engines": [e.ready() for e in engines]}
+    pending: dict[str, Sequence[Any]] = (
+        {"engines": [e.ready() for e in engines]} if side_by_side else {}
+    )
     groups: dict[str, LearnerGroup] = {}
     for name, (role, learner) in role_configs(
         config, total_optimizer_steps=total_optimizer_steps
@@ -218,7 +220,7 @@ def start_roles(
             name, role, learner, placement=placement, gpu=gpu
         )
     waited_from = time.perf_counter() - start
-    ready.update({n: waited_from + s for n, s in wait_ready(pending).items() if n not in ready})
+    ready.update({n: waited_from + s for n, s in wait_ready(pending).items()})
     if stopwatch is not None:
         for name, seconds in ready.items():
             stopwatch.ready(name, seconds)

@@ -259,3 +259,19 @@ def test_a_corrupted_bucket_is_refused_in_every_mode(engine, checkpoint, pack, v
     with pytest.raises(ValueError, match="verify must be one of"):
         engine.update_weights(pack(original(checkpoint), version=9, bucket_bytes=1 << 20),
                               verify="sometimes")  # fmt: skip
+
+
+def test_a_sync_reports_its_parts_and_a_refused_one_reports_nothing(
+    engine, checkpoint, pack
+) -> None:
+    sync = pack(original(checkpoint), version=10, bucket_bytes=64 * 1024)
+    engine.update_weights(sync, verify="full")
+    parts = {k: v for k, v in engine.metrics().items() if k.startswith("engine/last_sync_")}
+    assert set(parts) == {f"engine/last_sync_{p}_s" for p in ("validate", "load", "verify")}
+    assert all(seconds > 0 for seconds in parts.values()), parts
+    bad = sync[1].buffer.clone()
+    bad[0] ^= 1
+    with pytest.raises(WeightSyncError, match="is corrupted"):
+        engine.update_weights([sync[0], sync[1].header.with_buffer(bad), *sync[2:]])
+    after = {k: v for k, v in engine.metrics().items() if k.startswith("engine/last_sync_")}
+    assert after == parts  # still the last sync that loaded

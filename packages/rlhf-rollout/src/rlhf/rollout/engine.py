@@ -126,6 +126,8 @@ class VLLMEngine:
         self._aborted = 0
         self._busy_s = 0.0
         self._steps = 0
+        # Seconds of the last `update_weights`, by part: validate, load, verify.
+        self.last_sync_s: dict[str, float] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, timeout_s: float = 600.0) -> VLLMEngine:
@@ -407,7 +409,9 @@ class VLLMEngine:
 
     def metrics(self) -> dict[str, float]:
         """Counters of this engine (``engine/*``): requests finished and aborted, tokens
-        generated, requests in flight and queued, tokens/s over the time spent stepping."""
+        generated, requests in flight and queued, tokens/s over the time spent stepping; after
+        a sync, its parts' seconds (``engine/last_sync_{validate,load,verify}_s``: checksums
+        and shapes, vLLM's weight loaders, the read-back check)."""
         busy = self._busy_s
         return {
             "engine/requests_done": float(self._requests_done),
@@ -420,6 +424,7 @@ class VLLMEngine:
             "engine/tokens_per_s": self._tokens_generated / busy if busy > 0 else 0.0,
             "engine/paused": float(self._paused),
             "engine/weight_version": float(self.weight_version),
+            **{f"engine/last_sync_{part}_s": s for part, s in self.last_sync_s.items()},
         }
 
     # -- weights ---------------------------------------------------------------------------
@@ -464,13 +469,21 @@ class VLLMEngine:
             )
         mode = verify_mode(verify)
         buckets = list(buckets)
+        tick = time.perf_counter()
         version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
+        validated = time.perf_counter()
         self.call(_load_buckets, list(buckets))
+        loaded = time.perf_counter()
         self.weight_version = version
         if self._unverified is not None or mode == "full":
             self.verify_weights(buckets)
         elif mode == "cheap":
             self.verify_weights(buckets, names=spot_check_names(buckets))
+        self.last_sync_s = {
+            "validate": validated - tick,
+            "load": loaded - validated,
+            "verify": time.perf_counter() - loaded,
+        }
         return version
 
     def weight_checksums(

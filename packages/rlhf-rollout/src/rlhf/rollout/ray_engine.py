@@ -16,6 +16,7 @@ Ray is imported when an actor is spawned; install ``rlhf-rollout[cpu]`` or ``[gp
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ class EngineActor:
         }
         self.group: BroadcastGroup | None = None
         self.loads: dict[str, int] = {}  # syncs loaded, by the path they arrived on
+        self.receive_s: float | None = None  # the last sync's transport receive
         self.streamed = StreamedRequests()
 
     def _loaded(self, path: str, version: int) -> int:
@@ -110,7 +112,9 @@ class EngineActor:
         path, receiver = self.receivers[type(sync)]
 
         def load() -> int:
+            tick = time.perf_counter()
             buckets = receiver.receive(sync)
+            self.receive_s = time.perf_counter() - tick
             return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
 
         return self._loaded(path, await self._blocking(load))
@@ -131,7 +135,9 @@ class EngineActor:
             raise RuntimeError("join_weight_group() before update_weights_from_group()")
 
         def load() -> int:
+            tick = time.perf_counter()
             buckets = group.receive()
+            self.receive_s = time.perf_counter() - tick
             return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
 
         return self._loaded("broadcast", await self._blocking(load))
@@ -143,7 +149,10 @@ class EngineActor:
         return await self._blocking(self.engine.weight_checksums, algorithm)
 
     def metrics(self) -> dict[str, float]:
-        return self.engine.metrics()
+        out = self.engine.metrics()
+        if self.receive_s is not None:  # the last sync's transport, up to bucket validation
+            out["engine/last_sync_receive_s"] = self.receive_s
+        return out
 
     def weight_version(self) -> int:
         return self.engine.weight_version
@@ -269,7 +278,8 @@ class RayEngine:
         return self._get(self.handle.weight_loads.remote())
 
     def metrics(self) -> dict[str, float]:
-        """`VLLMEngine.metrics`."""
+        """`VLLMEngine.metrics`, and after a sync through a transport
+        ``engine/last_sync_receive_s`` (its buckets received, before validation)."""
         return self._get(self.handle.metrics.remote())
 
     def shutdown(self) -> None:

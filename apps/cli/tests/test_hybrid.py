@@ -142,3 +142,99 @@ def test_the_headroom_counts_each_roles_optimizer_share_per_rank() -> None:
     assert headroom.free_bytes == 49 * 2**30  # the later look at the shared device
     assert headroom.optimizer_bytes == OPTIMIZER_BYTES_PER_PARAM * (1_000_000 + 400_000) // 2
     assert measure_headroom([Group(None, world_size=1)]) is None  # CPU ranks
+
+
+GIB = 2**30
+
+
+class OnGpu(Recorder):
+    """A learner group on a GPU: its memory probes answer from ``memory`` (by probe name)."""
+
+    def __init__(self, name: str, calls: list, memory: dict) -> None:
+        super().__init__(name, calls)
+        self.memory = memory
+
+    def run(self, fn):
+        self.calls.append((self.name, fn.__name__))
+        return [self.memory[fn.__name__]]
+
+
+def settling(*, free_awake_gib: float) -> tuple[TurnTaking, list]:
+    """Engines sleep in the first learning phase only if needed: the actor's allocator grows
+    by 20 GiB while training (10 → 30 GiB reserved), the reference's by 3 GiB (2 → 5)."""
+    calls: list = []
+    actor = OnGpu("actor", calls, {
+        "_device_free_bytes": (int(free_awake_gib * GIB), 140 * GIB),
+        "_reset_peak": 10 * GIB, "_peak_reserved": 30 * GIB, "_device_free_gib": 1.0,
+    })  # fmt: skip
+    ref = OnGpu("ref", calls, {"_reset_peak": 2 * GIB, "_peak_reserved": 5 * GIB})
+    turns = TurnTaking(
+        engines=[Recorder("engine0", calls)],
+        learners=[actor],
+        others=[ref],
+        sleep_engines=True,
+        offload_learners=False,
+        settle_sleep=True,
+    )
+    return turns, calls
+
+
+def engine_calls(calls: list) -> list:
+    return [c for c in calls if c[0].startswith("engine")]
+
+
+def test_engines_stay_awake_after_the_first_step_when_training_fits_next_to_them() -> None:
+    turns, calls = settling(free_awake_gib=60)
+    assert "then only if training does not fit next to them" in turns.describe()
+    turns.enter("generation")
+    turns.enter("training")  # a checkpoint's training phase measures nothing
+    assert ("actor", "_reset_peak") not in calls
+    turns.enter("generation")
+    calls.clear()
+    turns.enter("training", learning=True)
+    # The free memory is read with the engines awake, before they sleep; the peak window
+    # starts after.
+    assert calls[:2] == [("actor", "_device_free_bytes"), ("engine0", "sleep", 1)]
+    assert ("actor", "_reset_peak") in calls and ("ref", "_reset_peak") in calls
+    metrics = turns.enter("sync")
+    # 23 GiB added at the peak; 60 - 23 = 37 GiB >= the 7 GiB reserve of 140 GiB.
+    assert metrics["hybrid/training_extra_gib"] == pytest.approx(23.0)
+    assert metrics["hybrid/free_awake_gib"] == pytest.approx(60.0)
+    assert metrics["hybrid/engines_sleep"] == 0.0
+    assert turns.notes == [
+        "[hybrid] engines stay awake from now on: training added 23.0 GiB at its peak, "
+        "60.0 GiB were free with the engines awake, 7.0 GiB reserve"
+    ]
+    turns.enter("generation")
+    calls.clear()
+    for phase in ("training", "sync", "generation", "training"):
+        turns.enter(phase, learning=phase == "training")
+    assert engine_calls(calls) == []  # no sleep, no wake: the engines kept everything
+    assert "engines keep their memory" in turns.describe()
+
+
+def test_engines_keep_sleeping_when_training_would_not_fit_next_to_them() -> None:
+    turns, calls = settling(free_awake_gib=29.5)  # 29.5 - 23 = 6.5 GiB < 7 GiB reserve
+    turns.enter("generation")
+    turns.enter("training", learning=True)
+    metrics = turns.enter("sync")
+    assert metrics["hybrid/engines_sleep"] == 1.0
+    assert turns.notes[0].startswith("[hybrid] engines keep sleeping while the learners train")
+    turns.enter("generation")
+    calls.clear()
+    turns.enter("training", learning=True)
+    assert engine_calls(calls) == [("engine0", "sleep", 1)]
+    assert ("actor", "_reset_peak") not in calls  # decided once
+    turns.enter("sync")
+    assert len(turns.notes) == 1
+
+
+def test_the_reserve_is_the_edge_between_awake_and_asleep() -> None:
+    from rlhf.cli.hybrid import TrainingPeak
+
+    edge = TrainingPeak(free_awake_bytes=30 * GIB, training_extra_bytes=23 * GIB,
+                        total_bytes=140 * GIB)  # fmt: skip
+    assert edge.engines_may_stay_awake  # exactly the reserve left
+    assert not TrainingPeak(
+        free_awake_bytes=30 * GIB - 1, training_extra_bytes=23 * GIB, total_bytes=140 * GIB
+    ).engines_may_stay_awake

@@ -62,6 +62,13 @@ def test_a_run_syncs_over_the_chosen_transport(assets, tmp_path, transport, veri
     # Two steps, a sync after each; every sync arrived over the chosen path and verified (a
     # sync whose read-back differs stops the run).
     assert report["engines_loaded"] == [{expected: 2}]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for r in (r for r in rows if "reward/mean" in r):
+        # The engine's share of each sync, part by part, lies within the transport's sync,
+        # which lies within the step's sync phase.
+        parts = [r[f"sync/engine_{p}_s"] for p in ("receive", "validate", "load", "verify")]
+        assert all(seconds > 0 for seconds in parts), r
+        assert sum(parts) <= r["time/weight_sync_s"] <= r["time/sync_s"], r
     if transport == "auto":  # the start-up record of the run (rlhf.cli.startup)
         startup = json.loads((tmp_path / "startup.json").read_text())
         phases = startup["phases_s"]
@@ -73,7 +80,6 @@ def test_a_run_syncs_over_the_chosen_transport(assets, tmp_path, transport, veri
         assert set(ready) == {"engines", "actor", "ref"}  # grpo: KL against a reference
         assert 0 < max(ready.values()) <= phases["roles"]
         assert "[startup] " in out.stdout and " s to step 1: imports " in out.stdout
-        rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if "time/step_s" in r]
         assert len(steps) == 2
         for r in steps:  # a step's wall time holds its phases

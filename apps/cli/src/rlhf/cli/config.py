@@ -91,14 +91,17 @@ class VllmConfig(EngineOptions):
         num_cpus: CPUs each engine actor reserves in Ray.
         enable_sleep: Under ``--train.colocate_all`` on GPUs, the engines sleep while the
             learners work (vLLM sleep mode, level 1: weights to host memory, KV cache freed)
-            and wake for the sync and generation (OpenRLHF's ``--vllm_enable_sleep``). On
-            CPUs vLLM has no sleep mode and the engines keep their memory.
+            and wake for the sync and generation (OpenRLHF's ``--vllm_enable_sleep``). True:
+            every step; False: never; None (default): in the first step, and after it only
+            if what training added to the learners' memory would not fit next to the awake
+            engines (`rlhf.cli.hybrid.TrainingPeak`; also whenever the learners' states
+            move). On CPUs vLLM has no sleep mode and the engines keep their memory.
     """
 
     num_engines: int = 1
     verify_sync: str = "cheap"
     num_cpus: float = 1.0
-    enable_sleep: bool = True
+    enable_sleep: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ Phases, in the order a step runs them:
 - ``generation`` (rollouts, evaluations): the learners' model weights go to host memory too,
   then the engines' KV cache wakes.
 
-Engines sleep only where vLLM can (``--vllm.enable_sleep`` on GPUs); learners offload under
+Engines sleep only where vLLM can (``--vllm.enable_sleep`` on GPUs). By default they sleep in
+the first step's training only, which measures what training adds to the learners' memory
+(`TrainingPeak`); from the second step they stay awake when that fits next to them, so a run
+whose roles all fit pays no sleep or wake at all. Learners offload under
 ``--train.deepspeed_enable_sleep`` (by default on GPUs with ZeRO-1/2 when memory requires it,
 `learner_moves_needed`; forced on a CPU machine, their states stay in host memory while
 DeepSpeed re-links its buffers, so the CPU tests run the same schedule). Checkpoints and the
@@ -65,6 +68,73 @@ class Headroom:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainingPeak:
+    """Device memory around the first training phase of a hybrid run (the actor's first GPU),
+    which decides whether the engines must keep sleeping while the learners train.
+
+    Attributes:
+        free_awake_bytes: Free on the device just before the engines first slept (every role
+            resident, the engines with their weights and KV cache).
+        training_extra_bytes: What the learners' processes on the device added during
+            training at their peak (their allocators' reserved bytes: activations, gradients,
+            the optimizer states made at the first step), summed over the processes.
+        total_bytes: The device's memory.
+    """
+
+    free_awake_bytes: int
+    training_extra_bytes: int
+    total_bytes: int
+
+    @property
+    def engines_may_stay_awake(self) -> bool:
+        """Training fits next to the awake engines with `RESERVE_FRACTION` to spare."""
+        reserve = RESERVE_FRACTION * self.total_bytes
+        return self.free_awake_bytes - self.training_extra_bytes >= reserve
+
+    def describe(self) -> str:
+        gib = 2**30
+        verdict = (
+            "engines stay awake from now on"
+            if self.engines_may_stay_awake
+            else "engines keep sleeping while the learners train"
+        )
+        return (
+            f"{verdict}: training added {self.training_extra_bytes / gib:.1f} GiB at its peak, "
+            f"{self.free_awake_bytes / gib:.1f} GiB were free with the engines awake, "
+            f"{RESERVE_FRACTION * self.total_bytes / gib:.1f} GiB reserve"
+        )
+
+
+def _reset_peak(backend: Any) -> int | None:
+    """Start a peak window on the rank's CUDA device: its reserved bytes now; None on CPU."""
+    import torch
+
+    if backend.device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(backend.device)
+    return int(torch.cuda.memory_reserved(backend.device))
+
+
+def _peak_reserved(backend: Any) -> int | None:
+    """The rank's peak reserved CUDA bytes since `_reset_peak`; None on CPU."""
+    import torch
+
+    if backend.device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_reserved(backend.device))
+
+
+def _device_free_bytes(backend: Any) -> tuple[int, int] | None:
+    """(free, total) bytes of the rank's CUDA device (all processes counted); None on CPU."""
+    import torch
+
+    if backend.device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(backend.device)
+    return int(free), int(total)
+
+
 def _rank_memory(backend: Any) -> tuple[int, int, int] | None:
     """(free, total, trained parameters of this rank's model) on its CUDA device; None on CPU."""
     import torch
@@ -102,27 +172,48 @@ class TurnTaking:
             the actor first.
         sleep_engines: Put the engines to sleep during ``training``.
         offload_learners: Move the learners' states off the device outside ``training``.
+        settle_sleep: Decide ``sleep_engines`` from the first learning phase (`TrainingPeak`):
+            the engines sleep through it, and keep sleeping only if what the learners added
+            would not fit next to them awake (``--vllm.enable_sleep`` unset).
+        others: Learner groups that hold device memory but do not move (reference, reward
+            model); their training-time peak counts in `TrainingPeak`.
+        why: Why the learners move or stay (for the plan line).
         phase: Where the run is. A run starts in ``training`` (engines awake, learners
             loaded, nothing moved yet).
         engines_awake: The engines' memory tags that are on the device.
+        notes: Decisions made while running, for the console (the driver prints and clears).
     """
 
     engines: Sequence[Any]
     learners: Sequence[Any]
     sleep_engines: bool
     offload_learners: bool
+    settle_sleep: bool = False
+    others: Sequence[Any] = ()
     why: str = ""
     phase: str = "training"
     engines_awake: set[str] = dataclasses.field(default_factory=lambda: set(_TAGS))
+    notes: list[str] = dataclasses.field(default_factory=list)
+    _window: tuple[int, int, list[int | None]] | None = dataclasses.field(
+        default=None, init=False, repr=False
+    )  # (free with the engines awake, device total, reserved at the start) while measuring
 
     def describe(self) -> str:
         """One line for the plan: what moves between phases."""
-        engines = (
-            "engines sleep while the learners train (vLLM level 1: weights to host memory, "
-            "KV cache freed) and wake weights-first for the sync"
-            if self.sleep_engines
-            else "engines keep their memory (vLLM sleeps on GPUs only, under --vllm.enable_sleep)"
-        )
+        if not self.sleep_engines:
+            engines = (
+                "engines keep their memory (vLLM sleeps on GPUs only, under --vllm.enable_sleep)"
+            )
+        elif self.settle_sleep:
+            engines = (
+                "engines sleep while the learners train in the first step (vLLM level 1: weights "
+                "to host memory, KV cache freed), then only if training does not fit next to them"
+            )
+        else:
+            engines = (
+                "engines sleep while the learners train (vLLM level 1: weights to host memory, "
+                "KV cache freed) and wake weights-first for the sync"
+            )
         learners = (
             "actor/critic optimizer states, master weights and gradients leave the device for "
             "the sync, their weights too while the engines generate"
@@ -132,25 +223,35 @@ class TurnTaking:
         )
         return f"hybrid turn-taking: {engines}; {learners}" + (f" ({self.why})" if self.why else "")
 
-    def enter(self, phase: str) -> dict[str, float]:
+    def enter(self, phase: str, *, learning: bool = False) -> dict[str, float]:
         """Move to ``phase``; returns its metrics: ``time/hybrid_<phase>_s`` and, on GPUs,
         ``hybrid/gpu_free_gib_<phase>`` (device memory free after the move, as the actor's
         first rank sees it), ``hybrid/actor_allocated_gib_<phase>`` (that rank's own CUDA
         allocations after it) and ``hybrid/actor_moved_gib_<phase>`` (what its offload or
-        reload moved)."""
+        reload moved). ``learning``: this ``training`` phase trains (not a checkpoint's); the
+        first such phase measures `TrainingPeak` under ``settle_sleep``."""
         if phase not in _PHASES:
             raise ValueError(f"phase must be one of {_PHASES}, got {phase!r}")
         if phase == self.phase:
             return {}
         tick = time.perf_counter()
+        out: dict[str, float] = {}
+        if self._window is not None:
+            out.update(self._settle())
         moved: list[dict[str, float]] = []
         if phase == "training":
+            free_awake = None
             if self.sleep_engines and self.engines_awake:
+                if self.settle_sleep and learning and self.engines_awake == set(_TAGS):
+                    free_awake = self._free()
                 for e in self.engines:
                     e.sleep(1)
                 self.engines_awake.clear()
             if self.offload_learners:
                 moved = self._each("reload_states")
+            if free_awake is not None:
+                starts = [g.run(_reset_peak)[0] for g in self._groups]
+                self._window = (free_awake[0], free_awake[1], starts)
         else:
             if self.offload_learners:
                 # Optimizer states first (the engines' weights need the room); the model
@@ -163,7 +264,7 @@ class TurnTaking:
                     e.wake_up(missing)
                 self.engines_awake |= wanted
         self.phase = phase
-        out = {f"time/hybrid_{phase}_s": time.perf_counter() - tick}
+        out[f"time/hybrid_{phase}_s"] = time.perf_counter() - tick
         free = self.learners[0].run(_device_free_gib)[0] if self.learners else None
         if free is not None:
             out[f"hybrid/gpu_free_gib_{phase}"] = free
@@ -174,6 +275,33 @@ class TurnTaking:
                     first["allocated_gib_after"] - first["allocated_gib_before"]
                 )
         return out
+
+    @property
+    def _groups(self) -> list[Any]:
+        return [*self.learners, *self.others]
+
+    def _free(self) -> tuple[int, int] | None:
+        return self.learners[0].run(_device_free_bytes)[0] if self.learners else None
+
+    def _settle(self) -> dict[str, float]:
+        """Close the first learning phase's window: decide whether the engines keep sleeping."""
+        assert self._window is not None
+        free_awake, total, starts = self._window
+        self._window = None
+        peaks = [g.run(_peak_reserved)[0] for g in self._groups]
+        pairs = zip(peaks, starts, strict=True)
+        extra = sum(p - s for p, s in pairs if p is not None and s is not None)
+        peak = TrainingPeak(
+            free_awake_bytes=free_awake, training_extra_bytes=max(extra, 0), total_bytes=total
+        )
+        self.settle_sleep = False
+        self.sleep_engines = not peak.engines_may_stay_awake
+        self.notes.append(f"[hybrid] {peak.describe()}")
+        return {
+            "hybrid/free_awake_gib": free_awake / 2**30,
+            "hybrid/training_extra_gib": peak.training_extra_bytes / 2**30,
+            "hybrid/engines_sleep": float(self.sleep_engines),
+        }
 
     def _each(self, method: str, **kwargs: Any) -> list[dict[str, float]]:
         out: list[dict[str, float]] = []

@@ -37,7 +37,7 @@ from rlhf.cli.roles import Roles, start_roles
 from rlhf.cli.sampling import Executors, evaluate, generate, staleness, to_samples
 from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
 from rlhf.cli.startup import Stopwatch
-from rlhf.cli.sync import Transport, choose_transport, open_transport, report
+from rlhf.cli.sync import Transport, choose_transport, engine_sync_parts, open_transport, report
 from rlhf.learner import MicroBatching, latest_checkpoint, make_experience, ppo_update
 
 
@@ -161,13 +161,17 @@ class RLDriver:
             max_rows=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch or None
         )
 
-    def enter(self, phase: str, *, record: bool = True) -> None:
+    def enter(self, phase: str, *, record: bool = True, learning: bool = False) -> None:
         """Hybrid placement: move engines and learners to ``phase`` (`rlhf.cli.hybrid`);
-        with ``record``, its metrics join the step's."""
-        if self.roles.turns is not None:
-            metrics = self.roles.turns.enter(phase)
+        with ``record``, its metrics join the step's; ``learning``: a training phase that
+        trains (`TurnTaking.enter`)."""
+        turns = self.roles.turns
+        if turns is not None:
+            metrics = turns.enter(phase, learning=learning)
             if record:
                 self.hybrid_metrics.update(metrics)
+            while turns.notes:
+                self.echo(turns.notes.pop(0))
 
     async def run(self, start: int, queue: list[Rollout]) -> None:
         t = self.config.train
@@ -201,7 +205,7 @@ class RLDriver:
         more than one optimizer step follows or in async mode, where the batch may come from
         older weights (whose log-probs the rollout carries for ``--algo.rollout_correction``)."""
         self.trained_sampler_state = rollout.sampler_state
-        self.enter("training")
+        self.enter("training", learning=True)
         c, roles, kl_coef = self.config, self.roles, self.kl_ctl.value
         tick = time.perf_counter()
         experience = make_experience(
@@ -249,13 +253,18 @@ class RLDriver:
         engines = self.roles.engines if pause else []
         paused = sum(e.pause() for e in engines)
         self.enter("sync")
+        tick = time.perf_counter()
         try:
             self.transport.sync(version)
         finally:
             for e in engines:
                 e.resume()
+        out = {"time/weight_sync_s": time.perf_counter() - tick}
+        out.update(engine_sync_parts(self.roles.engines))
         self.enter("generation")
-        return {"rollout/requests_paused_for_sync": float(paused)} if pause else {}
+        if pause:
+            out["rollout/requests_paused_for_sync"] = float(paused)
+        return out
 
     def saves_at(self, step: int) -> bool:
         every = self.config.ckpt.save_steps

@@ -195,7 +195,7 @@ def start_roles(
     """Place and start every process of the run; they are ready when this returns (when
     each became ready goes to ``stopwatch``)."""
     placement = place(config, gpu=gpu)
-    sleep = gpu and config.train.colocate_all and config.vllm.enable_sleep
+    sleep = gpu and config.train.colocate_all and config.vllm.enable_sleep is not False
     side_by_side = not (gpu and config.train.colocate_all)
     start = time.perf_counter()
     engines = start_engines(
@@ -237,6 +237,10 @@ def start_roles(
             learners=trained,
             sleep_engines=sleep,
             offload_learners=offload,
+            # Unset: the first step measures whether training fits next to awake engines
+            # (when the learners move, memory is tight: the engines keep sleeping).
+            settle_sleep=sleep and config.vllm.enable_sleep is None and not offload,
+            others=[g for name, g in groups.items() if name not in ("actor", "critic")],
             why=why,
         )
     return Roles(

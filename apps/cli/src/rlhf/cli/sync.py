@@ -195,6 +195,24 @@ class BroadcastTransport:
         self.actor.run(functools.partial(_close, kind="broadcast"))
 
 
+_SYNC_PARTS = ("receive", "validate", "load", "verify")
+
+
+def engine_sync_parts(engines: Sequence[RayEngine]) -> dict[str, float]:
+    """Where the last sync's time went inside the engines (the slowest engine per part):
+    ``sync/engine_{receive,validate,load,verify}_s`` — receiving the buckets, checking them,
+    vLLM's weight loaders, the read-back check. ``load`` is the engine's own cost, the floor
+    a transport is measured against."""
+    seen = [e.metrics() for e in engines]
+    out: dict[str, float] = {}
+    for part in _SYNC_PARTS:
+        key = f"engine/last_sync_{part}_s"
+        values = [m[key] for m in seen if key in m]
+        if values:
+            out[f"sync/engine_{part}_s"] = max(values)
+    return out
+
+
 def report(kind: str, why: str, engines: Sequence[RayEngine]) -> dict[str, Any]:
     """For ``run_dir/sync.json``: the transport, why it was chosen, and the syncs each engine
     loaded by the path they arrived on (what was used, as the engines saw it)."""

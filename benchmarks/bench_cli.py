@@ -1,18 +1,24 @@
 """Hybrid placement (``--train.colocate_all``) with and without turn-taking, side by side.
 
-Two ``rlhf train grpo`` runs on the same model, prompts and seed, one after the other in this
-invocation:
+Three ``rlhf train grpo`` runs on the same model, prompts and seed, one after the other in
+this invocation, and vLLM alone:
 
 - turn-taking: the engines sleep while the learners train (GPUs) and the learners' DeepSpeed
-  states leave the device outside training (`rlhf.cli.hybrid`; ``--train.deepspeed_enable_sleep
-  True``, so on a CPU machine it measures what the round trip costs there);
+  states leave the device outside training every step (`rlhf.cli.hybrid`; ``--vllm.enable_sleep
+  True --train.deepspeed_enable_sleep True``, so on a CPU machine it measures what the round
+  trip costs there);
 - resident: ``--vllm.enable_sleep False --train.deepspeed_enable_sleep False``, every role
-  keeps its memory.
+  keeps its memory;
+- hybrid: the defaults (the engines sleep in the first step only, and after it only if
+  training does not fit next to them; the learners move only when memory requires it);
+- raw vLLM: ``LLM.generate`` alone on the same model, prompts per step, samples and new tokens.
 
 Printed per run: median seconds per phase over the steps after the first (generation,
-experience, training, sync and the hybrid moves), and on GPUs the device memory free while the
-learners train and while the engines generate. Ratios: step time turn-taking / resident, free
-memory during training turn-taking / resident.
+experience, training, sync and the hybrid moves), the transport's sync and the engine's own
+load of it inside (``time/weight_sync_s``, ``sync/engine_load_s``), generated tokens/s, and on
+GPUs the device memory free while the learners train and while the engines generate. Ratios:
+step time and free memory during training of turn-taking and hybrid / resident; per run sync /
+engine load and generation tokens/s / raw vLLM's.
 
 With ``--transports object_store,cuda_ipc`` it runs the turn-taking configuration once per
 ``--train.weight_transport`` and prints sync and step time ratios against the first.
@@ -85,8 +91,9 @@ def run(
     ]  # fmt: skip
     if name.startswith("resident"):
         flags += ["--vllm.enable_sleep", "False", "--train.deepspeed_enable_sleep", "False"]
-    else:
-        flags += ["--train.deepspeed_enable_sleep", "True"]
+    elif name.startswith("turn-taking"):
+        flags += ["--vllm.enable_sleep", "True", "--train.deepspeed_enable_sleep", "True"]
+    # "hybrid": the defaults decide what moves (rlhf.cli.hybrid).
     flags += list(extra)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(
@@ -106,7 +113,50 @@ def run(
         values = [r[key] for r in steps if key in r]
         if values:
             result[key.split("/")[1]] = min(values)
+    for key in ("time/weight_sync_s", "sync/engine_load_s"):  # the transport vs the engine
+        result[key.split("/")[1]] = statistics.median(r[key] for r in steps)
+    result["tokens_per_s"] = statistics.median(
+        r["rollout/response_length_mean"] * r["rollout/samples"] / r["time/generation_s"]
+        for r in steps
+    )
     return result
+
+
+def raw_generation(model: pathlib.Path, data: pathlib.Path, args) -> dict:
+    """vLLM alone (``LLM.generate``, one process) on the runs' shape: the same model, engine
+    options, prompts per step, samples and new tokens; generated tokens/s over ``args.steps``
+    batches after one warm-up batch."""
+    code = f"""
+import json, statistics, time
+import torch
+from vllm import LLM, SamplingParams
+gpu = torch.cuda.is_available()
+llm = LLM(model={str(model)!r}, dtype="bfloat16" if gpu else "float32", seed=0,
+          gpu_memory_utilization=0.5, max_model_len={args.max_new_tokens + 32},
+          enforce_eager=not gpu, enable_prefix_caching=True)
+rows = [json.loads(x) for x in open({str(data)!r})]
+params = SamplingParams(n=4, temperature=1.0, max_tokens={args.max_new_tokens}, logprobs=0)
+rates = []
+for step in range({args.steps} + 1):
+    batch = [r["input"] for r in rows[step * {args.prompts}:(step + 1) * {args.prompts}]]
+    tick = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - tick
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    if step:
+        rates.append(tokens / seconds)
+print("RAW", json.dumps({{"tokens_per_s": statistics.median(rates)}}))
+"""
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "0" if torch.cuda.is_available() else "1"}
+    if not torch.cuda.is_available():
+        env["OMP_NUM_THREADS"] = "1"  # as Ray gives the engine actor (--vllm.num_cpus 1)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    if out.returncode:
+        raise SystemExit(f"raw vLLM failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RAW "))
+    return json.loads(line.removeprefix("RAW "))
 
 
 def compare(model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, args) -> dict:
@@ -173,14 +223,26 @@ def main() -> None:
             pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
         return
     report: dict = {"size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu"}
-    for name in ("turn-taking", "resident"):
+    names = ("turn-taking", "hybrid", "resident")
+    for name in names:
         report[name] = run(name, model, data, root, args)
         print(name, json.dumps(report[name], indent=1), flush=True)
-    a, b = report["turn-taking"], report["resident"]
-    report["step_time_ratio_turn_taking_over_resident"] = a["step_s"] / b["step_s"]
-    if "gpu_free_gib_training" in a and "gpu_free_gib_training" in b:
-        report["free_while_training_ratio"] = a["gpu_free_gib_training"] / max(
-            b["gpu_free_gib_training"], 1e-9
+    report["raw_vllm"] = raw_generation(model, data, args)
+    print("raw vLLM", json.dumps(report["raw_vllm"]), flush=True)
+    b = report["resident"]
+    for name in names:
+        a, key = report[name], name.replace("-", "_")
+        if name != "resident":
+            report[f"step_time_ratio_{key}_over_resident"] = a["step_s"] / b["step_s"]
+            if "gpu_free_gib_training" in a and "gpu_free_gib_training" in b:
+                report[f"free_while_training_ratio_{key}_over_resident"] = a[
+                    "gpu_free_gib_training"
+                ] / max(b["gpu_free_gib_training"], 1e-9)
+        report[f"sync_ratio_{key}_over_engine_load"] = a["weight_sync_s"] / max(
+            a["engine_load_s"], 1e-9
+        )
+        report[f"generation_ratio_{key}_over_raw_vllm"] = (
+            a["tokens_per_s"] / report["raw_vllm"]["tokens_per_s"]
         )
     print(json.dumps({k: v for k, v in report.items() if "ratio" in k}, indent=1))
     if args.json:

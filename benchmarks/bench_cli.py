@@ -29,9 +29,9 @@ commit's packages installed into a copy of the environment), alternating ``--rou
 ratio: median step time ours / baseline, per phase too (after one unrecorded warm-up run of
 each; use an even number of rounds so that each side goes first equally often).
 
-Usage: python benchmarks/bench_cli.py [--size tiny|0.5b] [--steps 4] [--json out.json]
-       [--baseline-python PATH --rounds 3]
-(tiny on CPU, as ``nox -s bench -- cli`` runs it; 0.5b on the GPU machine).
+Usage: python benchmarks/bench_cli.py [--size tiny|0.5b|1.5b] [--steps 4] [--json out.json]
+       [--runs turn-taking,hybrid,resident] [--baseline-python PATH --rounds 3]
+(tiny on CPU, as ``nox -s bench -- cli`` runs it; 0.5b and 1.5b on the GPU machine).
 """
 
 from __future__ import annotations
@@ -195,6 +195,7 @@ def main() -> None:
     parser.add_argument("--transports", default="")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--json", default="")
+    parser.add_argument("--runs", default="turn-taking,hybrid,resident")
     args = parser.parse_args()
     root = pathlib.Path(tempfile.mkdtemp(prefix="bench-cli-"))
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -223,16 +224,16 @@ def main() -> None:
             pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
         return
     report: dict = {"size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu"}
-    names = ("turn-taking", "hybrid", "resident")
+    names = args.runs.split(",")
     for name in names:
         report[name] = run(name, model, data, root, args)
         print(name, json.dumps(report[name], indent=1), flush=True)
     report["raw_vllm"] = raw_generation(model, data, args)
     print("raw vLLM", json.dumps(report["raw_vllm"]), flush=True)
-    b = report["resident"]
+    b = report.get("resident")
     for name in names:
         a, key = report[name], name.replace("-", "_")
-        if name != "resident":
+        if b is not None and name != "resident":
             report[f"step_time_ratio_{key}_over_resident"] = a["step_s"] / b["step_s"]
             if "gpu_free_gib_training" in a and "gpu_free_gib_training" in b:
                 report[f"free_while_training_ratio_{key}_over_resident"] = a[

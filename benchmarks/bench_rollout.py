@@ -60,6 +60,9 @@ SHAPES: dict[str, dict[str, int]] = {
     # Qwen2-0.5B's shape (494M parameters).
     "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
              "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936},
+    # Qwen2-1.5B's shape (1.54B parameters).
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+             "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936},
 }  # fmt: skip
 # Throughput workload per device: prompts x n samples, prompt and completion lengths, and the
 # pool's in-flight cap (twice the engine's max_num_seqs keeps vLLM's queue fed).

@@ -55,6 +55,31 @@ def test_logprobs_equal_a_transformers_forward(engine, hf_model) -> None:
     assert max(abs(a - b) for a, b in zip(g.logprobs, expected, strict=True)) < 1e-4
 
 
+def test_requests_sharing_sampling_parameters_keep_their_own(engine) -> None:
+    """vLLM's parameters are made once per distinct `SamplingParams` and shared by its
+    requests: requests of different lengths and stop tokens in one batch each keep theirs,
+    and the shared object is left as it was made."""
+    from rlhf.rollout.engine import _vllm_sampling
+
+    short = SamplingParams(max_new_tokens=3, temperature=1.0, stop_token_ids=(7,))
+    long = SamplingParams(max_new_tokens=11, temperature=1.0)
+    made = _vllm_sampling(short)
+    before = (made.max_tokens, list(made.stop_token_ids), made.n, made.logprobs)
+
+    async def go():
+        return await asyncio.gather(*(engine.generate(PROMPT, s) for s in [short, long] * 6))
+
+    outs = asyncio.run(go())
+    for g, s in zip(outs, [short, long] * 6, strict=True):
+        assert 1 <= len(g.token_ids) <= s.max_new_tokens
+        assert g.finish_reason == "stop" or len(g.token_ids) == s.max_new_tokens
+        if s is short:
+            assert 7 not in g.token_ids[:-1]  # its stop token ends it
+    assert any(len(g.token_ids) > 3 for g in outs[1::2])  # the long ones were not cut at 3
+    assert _vllm_sampling(short) is made
+    assert (made.max_tokens, list(made.stop_token_ids), made.n, made.logprobs) == before
+
+
 def test_single_turn_executor_runs_on_the_engine(engine, tokenizer) -> None:
     reward = FunctionReward(
         lambda q, p, labels, responses, **kw: [float(len(r)) for r in responses]

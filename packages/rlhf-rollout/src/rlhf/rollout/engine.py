@@ -61,11 +61,16 @@ def _hf_config(model: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+@functools.lru_cache(maxsize=256)
 def _vllm_sampling(sampling: SamplingParams) -> Any:
-    """vLLM's sampling parameters for ``sampling`` (cached: vLLM clones them per request)."""
+    """vLLM's sampling parameters for ``sampling``, made once per distinct ``sampling`` and
+    shared by its requests: vLLM copies them per request, shallowly where it can
+    (``skip_clone``; its per-request changes are to scalar fields of the copy). On a 2-core
+    CPU, 128 requests of the demo: 100 → 44 µs of ``add_request`` each."""
     from vllm import SamplingParams as VllmSamplingParams  # pyright: ignore[reportMissingImports]
     from vllm.sampling_params import RequestOutputKind  # pyright: ignore[reportMissingImports]
 
+    shallow = "skip_clone" in getattr(VllmSamplingParams, "__struct_fields__", ())
     return VllmSamplingParams(
         n=1,
         max_tokens=sampling.max_new_tokens,
@@ -81,6 +86,7 @@ def _vllm_sampling(sampling: SamplingParams) -> Any:
         flat_logprobs=True,
         detokenize=bool(sampling.stop),
         output_kind=RequestOutputKind.FINAL_ONLY,
+        **({"skip_clone": True} if shallow else {}),
     )
 
 
@@ -191,6 +197,8 @@ class VLLMEngine:
             max_num_seqs=c.max_num_seqs,
             enable_sleep_mode=c.enable_sleep_mode,
             logprobs_mode="processed_logprobs",
+            # vLLM's own per-step statistics (Prometheus): unused, ours are `metrics`.
+            disable_log_stats=True,
             **({"attention_backend": c.attention_backend} if c.attention_backend else {}),
             **(
                 {"kv_cache_memory_bytes": cpu_kv_cache_bytes(c, _hf_config(c.model))}

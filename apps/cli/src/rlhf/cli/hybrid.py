@@ -312,8 +312,5 @@ class TurnTaking:
 
 def _device_free_gib(backend: Any) -> float | None:
     """Free memory of the rank's CUDA device (all processes on it counted), or None on CPU."""
-    import torch
-
-    if backend.device.type != "cuda":
-        return None
-    return torch.cuda.mem_get_info(backend.device)[0] / 2**30
+    seen = _device_free_bytes(backend)
+    return None if seen is None else seen[0] / 2**30

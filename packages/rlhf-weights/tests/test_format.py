@@ -19,6 +19,7 @@ from rlhf.weights import (
     iter_buckets,
     iter_tensors,
     pack_buckets,
+    span_digests,
     validate_sync,
 )
 
@@ -110,6 +111,56 @@ def test_wsum64_by_hand() -> None:
     assert checksum(swapped, "wsum64") == f"9-{3:016x}{5:016x}"
     with pytest.raises(ValueError, match="unknown checksum algorithm"):
         checksum(b"x", "sha1")
+
+
+def _wsum64_from_the_definition(data: bytes) -> str:
+    """s1 = sum(w_i), s2 = sum((2 i + 1) w_i) mod 2**64 over little-endian 8-byte words of the
+    bytes zero-padded to a multiple of 8, with the byte length."""
+    padded = data + bytes(-len(data) % 8)
+    words = [int.from_bytes(padded[i : i + 8], "little") for i in range(0, len(padded), 8)]
+    s1 = sum(words) % 2**64
+    s2 = sum((2 * i + 1) * w for i, w in enumerate(words)) % 2**64
+    return f"{len(data):x}-{s1:016x}{s2:016x}"
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 22])
+def test_span_digests_of_one_pass_equal_each_spans_own(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bucket read once in chunks of `chunk` words (3: spans cross chunk edges) must give
+    # every span the digest of its bytes alone: aligned spans of every length mod 8, spans
+    # that end where the buffer ends mid-word, empty spans, non-zero bytes between spans.
+    import rlhf.weights.checksums as checksums
+
+    monkeypatch.setattr(checksums, "_WSUM_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(1)
+    for n, spans in [
+        (0, []),
+        (13, [(0, 13)]),
+        (13, [(0, 10)]),
+        (64, [(0, 8), (8, 0), (16, 5), (24, 40)]),
+        (101, [(0, 3), (8, 17), (32, 1), (40, 61)]),
+        (200, [(8 * i, 7) for i in range(25)]),
+    ]:
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        whole, parts = span_digests(data, spans, "wsum64")
+        raw = bytes(data.tolist())
+        assert whole == _wsum64_from_the_definition(raw)
+        assert parts == [_wsum64_from_the_definition(raw[o : o + k]) for o, k in spans]
+        # Unaligned spans and the host algorithms give the same as one digest per span.
+        shifted = [(o + 1, max(k - 1, 0)) for o, k in spans]
+        assert span_digests(data, shifted, "wsum64")[1] == [
+            _wsum64_from_the_definition(raw[o : o + k]) for o, k in shifted
+        ]
+        assert span_digests(data, spans, "crc32") == (
+            checksum(data, "crc32"),
+            [checksum(data[o : o + k], "crc32") for o, k in spans],
+        )
+    # A buffer that does not start on an 8-byte boundary of its storage.
+    base = torch.randint(0, 256, (40,), dtype=torch.uint8, generator=gen)
+    whole, parts = span_digests(base[3:], [(8, 9)], "wsum64")
+    assert whole == _wsum64_from_the_definition(bytes(base[3:].tolist()))
+    assert parts == [_wsum64_from_the_definition(bytes(base[11:20].tolist()))]
 
 
 def test_headers_survive_json_and_rebuild_a_valid_sync() -> None:

@@ -8,7 +8,13 @@ only; Ray and CuPy are imported by the transports that need them. It imports no 
 package: the learner sends and the rollout receives through it.
 """
 
-from rlhf.weights.checksums import CHECKSUMS, checksum, default_algorithm, digest_of
+from rlhf.weights.checksums import (
+    CHECKSUMS,
+    checksum,
+    default_algorithm,
+    digest_of,
+    span_digests,
+)
 from rlhf.weights.format import (
     ALIGN,
     DTYPE_NAMES,
@@ -67,5 +73,6 @@ __all__ = [
     "iter_tensors",
     "new_broadcast_group",
     "pack_buckets",
+    "span_digests",
     "validate_sync",
 ]

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from rlhf.weights.checksums import default_algorithm, digest_of
+from rlhf.weights.checksums import default_algorithm, digest_of, span_digests
 from rlhf.weights.format import (
     ALIGN,
     DTYPE_NAMES,
@@ -96,26 +96,28 @@ def _bucket(
 ) -> WeightBucket:
     where = torch.device(device) if device is not None else pending[0][1].device
     name_of_algorithm = algorithm or default_algorithm(where)
-    digest = digest_of(name_of_algorithm)
     _, last, last_offset = pending[-1]
     buffer = torch.zeros(
         last_offset + last.numel() * last.element_size(), dtype=torch.uint8, device=where
     )
-    metas = []
-    for name, tensor, offset in pending:
+    spans = []
+    for _, tensor, offset in pending:
         raw = tensor.to(where).contiguous().view(-1).view(torch.uint8)
-        view = buffer[offset : offset + raw.numel()]
-        view.copy_(raw)
-        metas.append(
-            TensorMeta(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), offset, digest(view))
-        )
+        buffer[offset : offset + raw.numel()].copy_(raw)
+        spans.append((offset, raw.numel()))
+    # Every digest from one pass over the finished bucket (on a GPU: one synchronisation).
+    whole, parts = span_digests(buffer, spans, name_of_algorithm)
+    metas = tuple(
+        TensorMeta(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), offset, part)
+        for (name, tensor, offset), part in zip(pending, parts, strict=True)
+    )
     header = BucketHeader(
         version=version,
         index=index,
         total=total,
-        tensors=tuple(metas),
+        tensors=metas,
         nbytes=buffer.numel(),
-        checksum=digest(buffer),
+        checksum=whole,
         checksum_algorithm=name_of_algorithm,
     )
     return WeightBucket(header, buffer)

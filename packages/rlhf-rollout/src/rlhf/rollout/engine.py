@@ -38,10 +38,10 @@ from rlhf.rollout.readback import (
     verify_mode,
 )
 from rlhf.weights import (
-    CHECKSUMS,
     DTYPES,
     WeightBucket,
     WeightSyncError,
+    as_uint8,
     digest_of,
     iter_tensors,
     validate_sync,
@@ -519,10 +519,13 @@ class VLLMEngine:
         """Check that the engine serves exactly the weights of ``buckets`` (or only the
         checkpoint tensors ``names`` of them).
 
-        Each received tensor is cast to the dtype the engine holds it in and compared with the
-        engine's read-back digest. A tied ``lm_head`` is compared with the tensor it is tied to.
-        The engine digests its weights where they are (``wsum64`` on a GPU, so nothing is
-        copied to the host; the buckets' own algorithm on a CPU) and only digests travel.
+        Each received tensor is compared with the engine's read-back digest: through the
+        sender's own tensor checksum when the engine holds it in the wire dtype and digests
+        with the bucket's algorithm (the bucket checksum, checked on receipt, vouched for those
+        bytes), else digested here after a cast to the engine's dtype. A tied ``lm_head`` is
+        compared with the tensor it is tied to. The engine digests its weights where they are
+        (``wsum64`` on a GPU, so nothing is copied to the host; the buckets' own algorithm on a
+        CPU) and only digests travel.
 
         Raises:
             WeightSyncError: naming every parameter that differs or that the engine does not
@@ -533,21 +536,27 @@ class VLLMEngine:
         if self._on_gpu():
             algorithm = "wsum64"
         live = self.weight_checksums(algorithm, names=names)
-        digest = CHECKSUMS[algorithm]
-        received = dict(iter_tensors(buckets))
+        sent = {t.name: (b, t) for b in buckets for t in b.tensors}
         for name, source in TIED.items():
-            if name in live and name not in received and source in received:
-                received[name] = received[source]
+            if name in live and name not in sent and source in sent:
+                sent[name] = sent[source]
         if names is not None:
-            received = {k: v for k, v in received.items() if k in names}
+            sent = {k: v for k, v in sent.items() if k in names}
         differ, absent = [], []
-        for name, tensor in received.items():
+        for name, (bucket, meta) in sent.items():
             if name not in live:
                 absent.append(name)
                 continue
             dtype, got = live[name]
-            cast = tensor.to(DTYPES[dtype]).contiguous()
-            if digest(cast.view(-1).view(torch.uint8)) != got:
+            if bucket.checksum_algorithm == algorithm and meta.dtype == dtype:
+                expected = meta.checksum
+            else:
+                raw = as_uint8(bucket.buffer)[meta.offset : meta.offset + meta.nbytes]
+                if raw.storage_offset() % DTYPES[meta.dtype].itemsize:
+                    raw = raw.clone()  # a sender that did not align this tensor
+                cast = raw.view(DTYPES[meta.dtype]).to(DTYPES[dtype]).contiguous()
+                expected = digest_of(algorithm)(cast.view(-1).view(torch.uint8))
+            if expected != got:
                 differ.append(name)
         if differ or absent:
             self.weight_version = -1

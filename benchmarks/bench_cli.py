@@ -53,6 +53,8 @@ from bench_rollout import make_checkpoint
 
 PHASES = ("generation", "experience", "training", "sync", "hybrid_training", "hybrid_sync",
           "hybrid_generation")  # fmt: skip
+# A step's wall: time/sync_s holds the sync and generation moves, not the one into training.
+STEP_PARTS = ("generation", "experience", "training", "sync", "hybrid_training")
 
 
 def prompts(path: pathlib.Path, n: int = 256) -> None:
@@ -107,14 +109,30 @@ def run(
     med = {p: statistics.median(r.get(f"time/{p}_s", 0.0) for r in steps) for p in PHASES}
     result = {f"{p}_s": v for p, v in med.items()}
     # time/sync_s contains the sync and generation moves (the driver's sync makes them).
-    result["step_s"] = sum(med[p] for p in ("generation", "experience", "training", "sync"))
-    result["step_s"] += med["hybrid_training"]
+    result["step_s"] = sum(med[p] for p in STEP_PARTS)
     for key in ("hybrid/gpu_free_gib_training", "hybrid/gpu_free_gib_generation"):
         values = [r[key] for r in steps if key in r]
         if values:
             result[key.split("/")[1]] = min(values)
     for key in ("time/weight_sync_s", "sync/engine_load_s"):  # the transport vs the engine
         result[key.split("/")[1]] = statistics.median(r[key] for r in steps)
+    # Each step after the first, and the actor's cudaMalloc retries by then (a step that
+    # had to flush the allocator's cache shows as a jump).
+    result["each_step_s"] = [
+        round(sum(r.get(f"time/{p}_s", 0.0) for p in STEP_PARTS), 3) for r in steps
+    ]
+    slowest = max(steps, key=lambda r: sum(r.get(f"time/{p}_s", 0.0) for p in STEP_PARTS))
+    result["slowest_step"] = {
+        "step": slowest.get("step"),
+        **{p: round(slowest[f"time/{p}_s"], 3) for p in PHASES if f"time/{p}_s" in slowest},
+    }
+    if any("hybrid/actor_alloc_retries" in r for r in steps):
+        result["alloc_retries"] = [r.get("hybrid/actor_alloc_retries") for r in steps]
+    parts = [f"sync/engine_{p}_s" for p in ("receive", "validate", "verify")]
+    for key in ("sync/actor_send_s", "sync/actor_release_s", *parts):  # the rest of the sync
+        values = [r[key] for r in steps if key in r]
+        if values:
+            result[key.split("/")[1]] = statistics.median(values)
     result["tokens_per_s"] = statistics.median(
         r["rollout/response_length_mean"] * r["rollout/samples"] / r["time/generation_s"]
         for r in steps

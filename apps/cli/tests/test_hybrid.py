@@ -165,7 +165,7 @@ def settling(*, free_awake_gib: float) -> tuple[TurnTaking, list]:
     calls: list = []
     actor = OnGpu("actor", calls, {
         "_device_free_bytes": (int(free_awake_gib * GIB), 140 * GIB),
-        "_reset_peak": 10 * GIB, "_peak_reserved": 30 * GIB, "_device_free_gib": 1.0,
+        "_reset_peak": 10 * GIB, "_peak_reserved": 30 * GIB, "_device_memory": (1.0, 0),
     })  # fmt: skip
     ref = OnGpu("ref", calls, {"_reset_peak": 2 * GIB, "_peak_reserved": 5 * GIB})
     turns = TurnTaking(

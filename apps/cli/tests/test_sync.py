@@ -69,6 +69,12 @@ def test_a_run_syncs_over_the_chosen_transport(assets, tmp_path, transport, veri
         parts = [r[f"sync/engine_{p}_s"] for p in ("receive", "validate", "load", "verify")]
         assert all(seconds > 0 for seconds in parts), r
         assert sum(parts) <= r["time/weight_sync_s"] <= r["time/sync_s"], r
+        # The actor's packing and sending: before the engines receive, except a broadcast,
+        # which the engines receive while it sends.
+        send = r["sync/actor_send_s"]
+        assert send > 0, r
+        before = send if expected != "broadcast" else 0.0
+        assert before + sum(parts) <= r["time/weight_sync_s"], r
     if transport == "auto":  # the start-up record of the run (rlhf.cli.startup)
         startup = json.loads((tmp_path / "startup.json").read_text())
         phases = startup["phases_s"]

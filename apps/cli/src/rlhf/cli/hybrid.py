@@ -227,9 +227,11 @@ class TurnTaking:
         """Move to ``phase``; returns its metrics: ``time/hybrid_<phase>_s`` and, on GPUs,
         ``hybrid/gpu_free_gib_<phase>`` (device memory free after the move, as the actor's
         first rank sees it), ``hybrid/actor_allocated_gib_<phase>`` (that rank's own CUDA
-        allocations after it) and ``hybrid/actor_moved_gib_<phase>`` (what its offload or
-        reload moved). ``learning``: this ``training`` phase trains (not a checkpoint's); the
-        first such phase measures `TrainingPeak` under ``settle_sleep``."""
+        allocations after it), ``hybrid/actor_moved_gib_<phase>`` (what its offload or
+        reload moved) and ``hybrid/actor_alloc_retries`` (that rank's cudaMalloc retries so
+        far: a count that grows when its allocator had to flush its cache to fit).
+        ``learning``: this ``training`` phase trains (not a checkpoint's); the first such phase
+        measures `TrainingPeak` under ``settle_sleep``."""
         if phase not in _PHASES:
             raise ValueError(f"phase must be one of {_PHASES}, got {phase!r}")
         if phase == self.phase:
@@ -265,9 +267,10 @@ class TurnTaking:
                 self.engines_awake |= wanted
         self.phase = phase
         out[f"time/hybrid_{phase}_s"] = time.perf_counter() - tick
-        free = self.learners[0].run(_device_free_gib)[0] if self.learners else None
-        if free is not None:
-            out[f"hybrid/gpu_free_gib_{phase}"] = free
+        memory = self.learners[0].run(_device_memory)[0] if self.learners else None
+        if memory is not None:
+            out[f"hybrid/gpu_free_gib_{phase}"] = memory[0]
+            out["hybrid/actor_alloc_retries"] = float(memory[1])
             if moved:
                 first = moved[0]
                 out[f"hybrid/actor_allocated_gib_{phase}"] = first["allocated_gib_after"]
@@ -310,7 +313,14 @@ class TurnTaking:
         return out
 
 
-def _device_free_gib(backend: Any) -> float | None:
-    """Free memory of the rank's CUDA device (all processes on it counted), or None on CPU."""
+def _device_memory(backend: Any) -> tuple[float, int] | None:
+    """(free GiB of the rank's CUDA device, all processes on it counted; the rank's allocator
+    retries so far: cudaMalloc calls that failed and succeeded only after the cache was
+    flushed), or None on CPU."""
+    import torch
+
     seen = _device_free_bytes(backend)
-    return None if seen is None else seen[0] / 2**30
+    if seen is None:
+        return None
+    retries = torch.cuda.memory_stats(backend.device).get("num_alloc_retries", 0)
+    return seen[0] / 2**30, int(retries)

@@ -260,6 +260,7 @@ class RLDriver:
             for e in engines:
                 e.resume()
         out = {"time/weight_sync_s": time.perf_counter() - tick}
+        out.update({f"sync/actor_{k}_s": v for k, v in self.transport.parts.items()})
         out.update(engine_sync_parts(self.roles.engines))
         self.enter("generation")
         if pause:

@@ -18,8 +18,9 @@ the actor's rank-0 process, in this module's ``_SENDERS``.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlhf.cli.config import WEIGHT_TRANSPORTS, ConfigError
@@ -83,7 +84,10 @@ def choose_transport(
 
 
 class Transport(Protocol):
-    """Moves the actor's weights into the engines as one version."""
+    """Moves the actor's weights into the engines as one version; ``parts`` says where the
+    last sync's time went on the actor's side (``sync/actor_{part}_s``)."""
+
+    parts: dict[str, float]
 
     def sync(self, version: int) -> None: ...
 
@@ -124,16 +128,21 @@ class SenderTransport:
     engines: Sequence[RayEngine]
     verify: bool | str
     bucket_bytes: int
+    parts: dict[str, float] = field(default_factory=dict)
 
     def sync(self, version: int) -> None:
         send = functools.partial(
             _send, kind=self.kind, version=version, bucket_bytes=self.bucket_bytes
         )
+        tick = time.perf_counter()
         synced = self.actor.run(send)[0]
+        sent = time.perf_counter()
         for engine in self.engines:
             engine.update_weights_from(synced, verify=self.verify)
+        loaded = time.perf_counter()
         if self.kind == "cuda_ipc":  # every engine loaded: the shared buffers may go
             self.actor.run(functools.partial(_close, kind=self.kind))
+        self.parts = {"send": sent - tick, "release": time.perf_counter() - loaded}
 
     def close(self) -> None:
         self.actor.run(functools.partial(_close, kind=self.kind))
@@ -171,6 +180,7 @@ class BroadcastTransport:
     engines: Sequence[RayEngine]
     verify: bool | str
     bucket_bytes: int
+    parts: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         import ray
@@ -188,7 +198,9 @@ class BroadcastTransport:
         send = functools.partial(
             _send, kind="broadcast", version=version, bucket_bytes=self.bucket_bytes
         )
-        self.actor.run(send)
+        tick = time.perf_counter()
+        self.actor.run(send)  # the engines receive while it sends
+        self.parts = {"send": time.perf_counter() - tick}
         ray.get(loads)
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from rlhf.learner.config import (
 )
 from rlhf.learner.data import DataError, TokenRow, preference_row, sft_row
 from rlhf.learner.experience import Experience, Samples
+from rlhf.learner.export import write_hf_export
 from rlhf.learner.forward import (
     Packed,
     batch_logprobs,
@@ -142,4 +143,5 @@ __all__ = [
     "token_logprobs",
     "token_values",
     "token_values_of",
+    "write_hf_export",
 ]

@@ -22,7 +22,6 @@ import dataclasses
 import gc
 import os
 import pathlib
-import shutil
 import socket
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -34,6 +33,7 @@ from rlhf.learner import checkpoint as ckpt
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
+from rlhf.learner.export import write_hf_export
 from rlhf.learner.forward import check_chunked_lm_head, check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
@@ -375,23 +375,8 @@ class DeepSpeedBackend:
         source's tokenizer files, written to a staging directory and moved into place (rank
         0); all ranks call it."""
         state = self.state_dict_on_rank0(ema=ema)
-        if state is None:
-            return
-        target = pathlib.Path(directory)
-        staging = target.with_name(f".staging-{target.name}")
-        shutil.rmtree(staging, ignore_errors=True)
-        base = self._module
-        if hasattr(base, "get_base_model"):  # LoRA: a plain checkpoint with merged weights
-            base = base.get_base_model()
-        base.save_pretrained(staging, state_dict=state, safe_serialization=True)
-        source = pathlib.Path(self.config.model.path)
-        for f in source.iterdir():
-            wanted = f.name.startswith("tokenizer") or f.name in _SIDE_FILES
-            if f.is_file() and wanted and not (staging / f.name).exists():
-                shutil.copy2(f, staging / f.name)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        if state is not None:
+            write_hf_export(self._module, state, source=self.config.model.path, directory=directory)
 
     def close(self) -> None:
         """Release the engine (the process group stays). Under ZeRO-3 this also ends
@@ -404,9 +389,6 @@ class DeepSpeedBackend:
             self._hf_ds = None
             unset_hf_deepspeed_config()
         gc.collect()
-
-
-_SIDE_FILES = {"special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja"}
 
 
 def _local(param: torch.nn.Parameter) -> Tensor:

@@ -1,0 +1,41 @@
+"""Writing a transformers checkpoint of a role's full weights, whatever backend trained it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+_SIDE_FILES = {"special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja"}
+
+
+def write_hf_export(
+    module: torch.nn.Module, state: Mapping[str, Tensor], *, source: str, directory: str
+) -> None:
+    """Save ``state`` (checkpoint names → full CPU tensors) as ``module``'s transformers
+    checkpoint, with the source model's tokenizer files, into a staging directory that then
+    replaces ``directory`` in one rename.
+
+    Args:
+        module: The role's model (a PEFT model is saved as its base model: ``state`` holds
+            the merged weights).
+        state: The full weights, e.g. ``Backend.state_dict_on_rank0()``.
+        source: The model directory the role was built from (its tokenizer files are copied).
+        directory: Where the export goes.
+    """
+    target = pathlib.Path(directory)
+    staging = target.with_name(f".staging-{target.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    base.save_pretrained(staging, state_dict=dict(state), safe_serialization=True)
+    for f in pathlib.Path(source).iterdir():
+        wanted = f.name.startswith("tokenizer") or f.name in _SIDE_FILES
+        if f.is_file() and wanted and not (staging / f.name).exists():
+            shutil.copy2(f, staging / f.name)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(staging, target)

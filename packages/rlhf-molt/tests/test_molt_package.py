@@ -1,8 +1,11 @@
-"""The rlhf-molt distribution installs as a portion of the rlhf namespace."""
+"""The rlhf-molt distribution: a namespace portion whose README example runs."""
 
 import importlib
 import importlib.metadata
 import importlib.resources
+import pathlib
+import subprocess
+import sys
 
 
 def test_molt_imports_as_namespace_portion() -> None:
@@ -18,3 +21,17 @@ def test_molt_version_train() -> None:
     requires = importlib.metadata.requires("rlhf-molt") or []
     siblings = [r for r in requires if r.startswith("rlhf-")]
     assert all(r.endswith(f"=={version}") for r in siblings), siblings
+
+
+def test_readme_example_runs_and_every_public_name_is_documented() -> None:
+    import rlhf.molt
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    missing = [name for name in rlhf.molt.__all__ if f"`{name}" not in readme]
+    assert not missing, missing
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The last line is the example's (a library may log above it); the tied head has no
+    # parameter of its own.
+    assert out.stdout.strip().splitlines()[-1].split() == ["True", "model.embed_tokens.weight"]

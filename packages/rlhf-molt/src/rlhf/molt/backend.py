@@ -1,0 +1,378 @@
+"""The FSDP2 implementation of `rlhf.learner.Backend` (data parallel; torch only).
+
+Each decoder layer (the classes a transformers model names in ``_no_split_modules``) is one
+FSDP2 unit, the rest of the model the root unit: a rank holds 1/world of every parameter,
+gradient and AdamW state (float32 masters; ``param_dtype`` is what a forward computes with,
+gradients are reduced in float32). The semantics are the DeepSpeed backend's, so the two are
+interchangeable step for step:
+
+- one `train_micro_batches` call runs every micro-batch of this rank, then one optimizer step;
+  FSDP2 averages gradients over ranks, so each share is multiplied by the world size and the
+  gradient is that of the global loss the objectives' normaliser defines;
+- every forward gathers and every backward reduces collectively, so all ranks run the same
+  number of passes: a rank with fewer micro-batches repeats its first one with weight 0;
+- the gradient norm is taken over the whole model before clipping (no clipping at
+  ``grad_clip`` 0), then AdamW and the schedule of `rlhf.learner.optim` step.
+
+Checkpoints are torch.distributed.checkpoint (DCP) directories in the shared checkpoint layout
+(``backend/`` beside the metadata `rlhf.learner.checkpoint` writes), the schedule as JSON, the
+RNG per rank; exports and weight streams gather one parameter at a time (``full_tensor``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import pathlib
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Submodules, not the package's namespace: rlhf.learner also offers the DeepSpeed backend.
+from rlhf.learner import checkpoint as ckpt
+from rlhf.learner.backend import Objective
+from rlhf.learner.batch import Batch
+from rlhf.learner.checkpoint import CheckpointError
+from rlhf.learner.config import LearnerConfig
+from rlhf.learner.export import write_hf_export
+from rlhf.learner.forward import check_chunked_lm_head, check_packing
+from rlhf.learner.models import fingerprint, load_model, merged_parameters
+from rlhf.learner.optim import build_optimizer
+from rlhf.molt.config import FSDPConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SCHEDULE_FILE = "schedule.json"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed() -> None:
+    """Join the process group that RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT describe, or make a
+    single-process one when none is set (gloo on CPU, NCCL on GPUs)."""
+    if torch.distributed.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+    torch.distributed.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor, else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """The whole tensor of a DTensor (a collective), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _layer_classes(model: torch.nn.Module) -> set[str]:
+    """The decoder-layer classes a transformers model names (its ``_no_split_modules``)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    return set(getattr(base, "_no_split_modules", None) or ())
+
+
+class FSDPBackend:
+    """One rank of one role on FSDP2.
+
+    Args:
+        config: The role. ``config.optimizer`` None makes it eval-only (reference, reward).
+        fsdp: Sharding options (`FSDPConfig`; validated here).
+    """
+
+    def __init__(self, config: LearnerConfig, fsdp: FSDPConfig | None = None) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.fsdp = (fsdp or FSDPConfig()).validate()
+        if config.model.lora_rank:
+            raise ValueError(
+                "model.lora_rank: LoRA is not available yet in the molt backend; train LoRA "
+                "with the deepspeed backend"
+            )
+        init_distributed()
+        self.config = config
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = (
+            torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.seed)
+        model = load_model(config.model).to(self.device)
+        compute = _DTYPES[self.fsdp.param_dtype]
+        # A training role keeps float32 masters (forwards compute in param_dtype); an eval-only
+        # role holds its weights in param_dtype.
+        model = model.float() if config.optimizer is not None else model.to(compute)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        options = {
+            "mesh": mesh,
+            "mp_policy": policy,
+            "reshard_after_forward": self.fsdp.reshard_after_forward,
+        }
+        layers = _layer_classes(model)
+        for module in list(model.modules()):
+            if type(module).__name__ in layers:
+                fully_shard(module, **options)
+        fully_shard(model, **options)
+        self._module: torch.nn.Module = model
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        if config.optimizer is not None:
+            self.optimizer, self.scheduler = build_optimizer(model, config.optimizer)
+        model.eval()
+        if config.model.packing_samples:
+            check_packing(model, device=self.device, flag="model.packing_samples")
+        if config.model.chunked_lm_head:
+            check_chunked_lm_head(model, device=self.device, flag="model.chunked_lm_head")
+        self._ema: dict[str, Tensor] | None = None
+        if config.optimizer is not None and config.optimizer.ema_decay is not None:
+            self._ema = {n: _local(p).detach().float().clone() for n, p in self._trainable()}
+
+    def _trainable(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return ((n, p) for n, p in self._module.named_parameters() if p.requires_grad)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The transformers model, its parameters DTensors sharded over the ranks."""
+        return self._module
+
+    def _placed(self, batch: Batch) -> Batch:
+        model = self.config.model
+        return dataclasses.replace(
+            batch.to(self.device),
+            packing_samples=model.packing_samples,
+            chunked_lm_head=model.chunked_lm_head,
+        )
+
+    def _passes(self, count: int) -> int:
+        """Passes every rank must run: the most any rank has."""
+        if self.world_size == 1:
+            return count
+        n = torch.tensor([count], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+        return int(n.item())
+
+    # -- training ------------------------------------------------------------------------
+    def train_micro_batches(
+        self,
+        micro_batches: Sequence[Batch],
+        objective: Objective,
+        *,
+        weights: Sequence[float] | None = None,
+    ) -> dict[str, float]:
+        """See `rlhf.learner.Backend.train_micro_batches`."""
+        if self.optimizer is None or self.config.optimizer is None:
+            raise RuntimeError("this role is eval-only (no optimizer); it cannot train")
+        if not micro_batches:
+            raise ValueError("train_micro_batches needs at least one micro-batch on every rank")
+        scale = [1.0] * len(micro_batches) if weights is None else list(weights)
+        passes = self._passes(len(micro_batches))
+        self._module.train()
+        loss_total = 0.0
+        sums: dict[str, float] = {}
+        counted = 0
+        for i in range(passes):
+            real = i < len(micro_batches)
+            batch = self._placed(micro_batches[i if real else 0])
+            w = scale[i] if real else 0.0
+            loss, metrics = objective(self._module, batch)
+            (loss * (w * self.world_size)).backward()
+            if real and w > 0:
+                loss_total += float(loss.detach()) * w
+                counted += 1
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        params = [p for _, p in self._trainable() if p.grad is not None]
+        clip = self.config.optimizer.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        decay = self.config.optimizer.ema_decay
+        if self._ema is not None and decay is not None:
+            with torch.no_grad():
+                for name, param in self._trainable():
+                    self._ema[name].mul_(decay).add_(_local(param).float(), alpha=1 - decay)
+        out = {k: v / max(counted, 1) for k, v in sums.items()}
+        out["loss"] = loss_total
+        out["grad_norm"] = float(_full(norm))
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        self._module.eval()
+        return out
+
+    def forward_micro_batches(self, micro_batches: Sequence[Batch], fn: Any) -> list[Any]:
+        """``fn(model, batch)`` per micro-batch, no gradient, eval mode; results on the CPU."""
+        if not micro_batches:
+            raise ValueError("forward_micro_batches needs at least one micro-batch on every rank")
+        passes = self._passes(len(micro_batches))
+        self._module.eval()
+        out = []
+        with torch.no_grad():
+            for i in range(passes):
+                batch = self._placed(micro_batches[min(i, len(micro_batches) - 1)])
+                result = fn(self._module, batch)
+                if i < len(micro_batches):
+                    out.append(_to_cpu(result))
+        return out
+
+    # -- hybrid placement ----------------------------------------------------------------
+    def offload_states(self, *, weights: bool = True) -> dict[str, float]:
+        """Not available yet: refused with what to use instead."""
+        raise RuntimeError(
+            "the molt backend cannot move its states off the device yet; for hybrid "
+            "turn-taking with learner offload use the deepspeed backend (or "
+            "--train.deepspeed_enable_sleep False)"
+        )
+
+    def reload_states(self) -> dict[str, float]:
+        """Not available yet (see `offload_states`)."""
+        return self.offload_states()
+
+    # -- checkpoints and export ----------------------------------------------------------
+    def fingerprint(self) -> dict[str, list[int]]:
+        """Parameter names → full shapes (a DTensor's shape is the global one)."""
+        return fingerprint(self._module)
+
+    def _dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self._module, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def save_checkpoint(self, directory: str, *, client_state: Mapping[str, Any]) -> None:
+        """Write the DCP state (model and optimizer shards), the schedule and this rank's RNG
+        (all ranks call it)."""
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        if self.optimizer is None:
+            return  # an eval-only role is rebuilt from its model path
+        backend = pathlib.Path(directory) / "backend"
+        save(self._dcp_state(), checkpoint_id=str(backend))
+        if self.rank == 0:
+            schedule = {"scheduler": self.scheduler.state_dict(), "client_state": client_state}
+            (backend / _SCHEDULE_FILE).write_text(json.dumps(schedule, default=str))
+        ckpt.write_rank_rng(directory, self.rank)
+        if self._ema is not None:
+            (pathlib.Path(directory) / "ema").mkdir(exist_ok=True)
+            torch.save(self._ema, pathlib.Path(directory) / "ema" / f"rank-{self.rank}.pt")
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Validate ``directory`` against this model, then restore everything
+        `save_checkpoint` wrote (the shards may come from a different number of ranks); returns
+        the driver's trainer state."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        state = ckpt.validate(directory, self.fingerprint())
+        if self.optimizer is None:
+            return state
+        backend = pathlib.Path(directory) / "backend"
+        if not (backend / ".metadata").is_file() or not (backend / _SCHEDULE_FILE).is_file():
+            raise CheckpointError(
+                f"checkpoint {directory} holds no FSDP (DCP) state in backend/: it was written "
+                "by another backend (resume it with that backend, e.g. --actor.backend "
+                "deepspeed) or is incomplete"
+            )
+        loaded = self._dcp_state()
+        load(loaded, checkpoint_id=str(backend))
+        set_state_dict(
+            self._module,
+            self.optimizer,
+            model_state_dict=loaded["model"],
+            optim_state_dict=loaded["optim"],
+        )
+        schedule = json.loads((backend / _SCHEDULE_FILE).read_text())
+        self.scheduler.load_state_dict(schedule["scheduler"])
+        ckpt.restore_rank_rng(directory, self.rank)
+        if self._ema is not None:
+            file = pathlib.Path(directory) / "ema" / f"rank-{self.rank}.pt"
+            if not file.is_file():
+                raise CheckpointError(
+                    f"checkpoint {directory} has no EMA weights of rank {self.rank}; it was "
+                    "saved without optimizer.ema_decay or with another number of ranks"
+                )
+            self._ema = torch.load(file, weights_only=True)
+        return state
+
+    def named_full_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """Each parameter gathered whole (one at a time, a collective), in checkpoint names; a
+        yielded tensor is valid until the next is requested."""
+        for name, tensor in merged_parameters(self._module):
+            yield name, _full(tensor)
+
+    @contextlib.contextmanager
+    def _ema_weights(self) -> Iterator[None]:
+        """Swap the EMA into the local shards of the trainable weights while open."""
+        if self._ema is None:
+            raise RuntimeError("no EMA weights: set optimizer.ema_decay")
+        saved = {}
+        with torch.no_grad():
+            for name, param in self._trainable():
+                local = _local(param)
+                saved[name] = local.clone()
+                local.copy_(self._ema[name].to(local.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in self._trainable():
+                    _local(param).copy_(saved[name])
+
+    def state_dict_on_rank0(self, *, ema: bool = False) -> dict[str, Tensor] | None:
+        """The full model state (or its EMA) on the CPU at rank 0 (None elsewhere); all ranks
+        call it."""
+        with self._ema_weights() if ema else contextlib.nullcontext():
+            out: dict[str, Tensor] | None = {} if self.rank == 0 else None
+            for name, tensor in self.named_full_parameters():
+                if out is not None:
+                    out[name] = tensor.detach().to("cpu", copy=True)
+        return out
+
+    def export_hf(self, directory: str, *, ema: bool = False) -> None:
+        """A transformers checkpoint of the full model (its EMA with ``ema``), written by rank
+        0 through a staging directory; all ranks call it."""
+        state = self.state_dict_on_rank0(ema=ema)
+        if state is not None:
+            write_hf_export(self._module, state, source=self.config.model.path, directory=directory)
+
+    def close(self) -> None:
+        """Release the model and optimizer (the process group stays)."""
+        self.optimizer = None
+        self.scheduler = None
+        self._module = None  # type: ignore[assignment]
+        gc.collect()
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return _full(value).detach().cpu()
+    if isinstance(value, tuple | list):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,62 @@
+"""The FSDP2 options of one role (``--actor.fsdp.*`` and the other roles' equivalents)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PARAM_DTYPES = ("float32", "bfloat16")
+OFFLOAD_LEVELS = ("none", "optimizer", "full")
+
+
+class FSDPConfigError(ValueError):
+    """An FSDP option this backend cannot honour; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """How a role is sharded and computed with FSDP2 (names as Molt's ``--fsdp.*`` flags).
+
+    Attributes:
+        tp_size: Tensor-parallel degree (1: data parallel only; larger degrees are refused
+            until tensor parallelism lands).
+        cp_size: Context-parallel degree (1; ring attention is GPU-only and not built yet).
+        ep_size: Expert-parallel degree (reserved for MoE models; only 1).
+        offload: ``none``; ``optimizer`` and ``full`` are refused until they land.
+        param_dtype: Dtype of the gathered parameters a forward computes with; master
+            weights, gradients' reduction and the optimizer stay float32.
+        reshard_after_forward: Free each layer's gathered parameters after its forward (less
+            memory; the backward gathers them again).
+    """
+
+    tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    offload: str = "none"
+    param_dtype: str = "float32"
+    reshard_after_forward: bool = True
+
+    def validate(self, *, flag: str = "fsdp") -> FSDPConfig:
+        """Raise `FSDPConfigError` naming ``{flag}.<field>`` for an option not supported."""
+        if self.param_dtype not in PARAM_DTYPES:
+            raise FSDPConfigError(
+                f"--{flag}.param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}"
+            )
+        if self.offload not in OFFLOAD_LEVELS:
+            raise FSDPConfigError(
+                f"--{flag}.offload must be one of {OFFLOAD_LEVELS}, got {self.offload!r}"
+            )
+        if self.offload != "none":
+            raise FSDPConfigError(
+                f"--{flag}.offload {self.offload} is not available yet in the molt backend; "
+                "use none, or the deepspeed backend's offload_optimizer / offload_params"
+            )
+        for name in ("tp_size", "cp_size", "ep_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise FSDPConfigError(f"--{flag}.{name} must be >= 1, got {value}")
+            if value != 1:
+                raise FSDPConfigError(
+                    f"--{flag}.{name} {value} is not available yet in the molt backend "
+                    "(data parallel only for now); set it to 1"
+                )
+        return self

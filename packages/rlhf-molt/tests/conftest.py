@@ -1,0 +1,60 @@
+"""A tiny Qwen2 checkpoint (tied embeddings) with a byte-level BPE tokenizer, made in the test
+session, and a local Ray cluster for the 2-rank groups (gloo, one process per rank)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [f"what is {a} plus {b}? the answer is {a + b}" for a in range(20) for b in range(20)]
+    bpe.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast.from_pretrained(tiny)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

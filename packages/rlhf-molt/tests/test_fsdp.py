@@ -1,0 +1,238 @@
+"""The FSDP2 backend on 2 ranks (Ray actors, gloo): the same step as one process and as the
+DeepSpeed backend, exact DCP resume, foreign checkpoints refused, HF export and weight streams
+equal to the full state, options refused by flag name."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+
+from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
+from rlhf.learner import (
+    CheckpointError,
+    CriticObjective,
+    DeepSpeedBackend,
+    DeepSpeedConfig,
+    LearnerConfig,
+    LearnerGroup,
+    ModelConfig,
+    OptimizerConfig,
+    PPOActorObjective,
+    SFTObjective,
+    collate,
+    load_model,
+    sft_row,
+    stream_weights,
+    token_logprobs,
+)
+from rlhf.learner.optim import build_optimizer
+from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
+from rlhf.weights import iter_tensors, validate_sync
+
+MOLT = functools.partial(FSDPBackend, fsdp=FSDPConfig())
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster):
+    g = LearnerGroup(num_ranks=2)
+    yield g
+    g.shutdown()
+
+
+def config(path, *, kind: str = "causal_lm", packing: bool = False, lr: float = 1e-3):
+    return LearnerConfig(
+        model=ModelConfig(path=str(path), kind=kind, packing_samples=packing),
+        optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, betas=(0.9, 0.95)),
+        deepspeed=DeepSpeedConfig(zero_stage=2),
+    )
+
+
+def full_state(group) -> dict[str, torch.Tensor]:
+    return group.run(lambda backend: backend.state_dict_on_rank0())[0]
+
+
+def rl_batch(model, *, seed: int):
+    """Six rows of prompt + response with old/reference log-probs near the model's own."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, masks = [], []
+    for n_prompt, n_resp in [(3, 4), (5, 2), (2, 6), (4, 3), (3, 1), (6, 5)]:
+        rows.append(torch.randint(3, 200, (n_prompt + n_resp,), generator=gen).tolist())
+        masks.append([0] * n_prompt + [1] * n_resp)
+    batch = collate(rows, pad_token_id=0, per_token={"action_mask": masks})
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    m = batch["action_mask"]
+    batch.fields["old_logprobs"] = lp + torch.randn(lp.shape, generator=gen) * 0.3 * m
+    batch.fields["ref_logprobs"] = lp + torch.randn(lp.shape, generator=gen) * 0.2 * m
+    batch.fields["advantages"] = torch.randn(lp.shape, generator=gen) * m
+    return batch
+
+
+def sft_batch(tokenizer, n: int = 6):
+    rows = [
+        sft_row({"input": f"what is {i} plus {i}?", "output": str(2 * i)}, i, tokenizer)
+        for i in range(n)
+    ]
+    return collate(
+        [r.input_ids for r in rows],
+        pad_token_id=tokenizer.pad_token_id,
+        per_token={"loss_mask": [r.loss_mask for r in rows]},
+    )
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_ppo_actor_step_equals_one_process_and_deepspeed(group, tiny, packing) -> None:
+    """2 ranks × 3 uneven micro-batches (one rank pads with a weight-0 pass): the loss, the
+    gradient norm and every updated parameter equal one full-batch step in this process, and
+    the DeepSpeed ZeRO-2 backend's step on the same split."""
+    model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    batch = rl_batch(model, seed=2)
+    algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
+    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
+    objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
+    cfg = config(tiny, packing=packing)
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer)
+    loss, _ = objective(model, dataclasses.replace(batch, packing_samples=packing))
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
+    optimizer.step()
+    scheduler.step()
+
+    split = {"max_tokens": 16} if packing else {"max_rows": 2}
+    results, states = {}, {}
+    for name, backend in (("molt", MOLT), ("deepspeed", DeepSpeedBackend)):
+        group.build(cfg, backend=backend)
+        assert [len(m) for m, _ in group.split(batch, **split)] == [2, 1]
+        results[name] = group.train_step(batch, objective, **split)
+        states[name] = full_state(group)
+    out = results["molt"]
+    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+    assert out["lr"] == results["deepspeed"]["lr"]
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(states["molt"][name], param.detach(), rtol=0, atol=2e-6)
+        torch.testing.assert_close(
+            states["molt"][name], states["deepspeed"][name], rtol=0, atol=2e-6
+        )
+
+
+def test_critic_step_equals_one_process(group, tiny) -> None:
+    ref = load_model(ModelConfig(path=str(tiny), kind="scalar"))
+    gen = torch.Generator().manual_seed(3)
+    batch = rl_batch(Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32), seed=4)
+    m = batch["action_mask"]
+    batch.fields["old_values"] = torch.randn(m.shape, generator=gen) * m * 0.5
+    batch.fields["returns"] = torch.randn(m.shape, generator=gen) * m
+    algo = AlgoConfig(value_clip=0.2, loss_agg_mode="seq-mean-token-mean")
+    objective = CriticObjective(
+        algo=algo, normalizer=float(loss_normalizer(m, mode="seq-mean-token-mean"))
+    )
+    loss, _ = objective(ref, batch)
+    loss.backward()
+    grads = [p.grad for p in ref.parameters() if p.grad is not None]
+    grad_norm = torch.sqrt(sum((g**2).sum() for g in grads))
+    group.build(config(tiny, kind="scalar"), backend=MOLT)
+    out = group.train_step(batch, objective, max_rows=1)
+    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
+
+
+def test_bfloat16_compute_stays_close_to_float32(group, tiny, tokenizer) -> None:
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    group.build(config(tiny), backend=MOLT)
+    fp32 = group.train_step(batch, objective, max_rows=3)
+    bf16 = functools.partial(FSDPBackend, fsdp=FSDPConfig(param_dtype="bfloat16"))
+    group.build(config(tiny), backend=bf16)
+    out = group.train_step(batch, objective, max_rows=3)
+    assert out["loss"] == pytest.approx(fp32["loss"], rel=1e-2)
+    assert out["loss"] != fp32["loss"]  # the forward did run in bfloat16
+    # The masters stay float32.
+    assert {t.dtype for t in full_state(group).values()} == {torch.float32}
+
+
+def test_dcp_resume_continues_bit_for_bit(group, tiny, tokenizer, tmp_path) -> None:
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    group.build(config(tiny), backend=MOLT)
+    group.train_step(batch, objective, max_rows=3)
+    path = group.save(str(tmp_path), 1, client_state={"step": 1, "data_position": 6}, keep=2)
+    uninterrupted = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
+    expected = full_state(group)
+    group.build(config(tiny), backend=MOLT)  # a new run from the initial weights
+    fresh = group.train_step(batch, objective, max_rows=3)
+    assert fresh["loss"] != uninterrupted[0]["loss"]
+    group.build(config(tiny), backend=MOLT)
+    assert group.load(path) == {"step": 1, "data_position": 6}
+    resumed = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"])
+    state = full_state(group)
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_another_backends_checkpoint_is_refused(group, tiny, tmp_path) -> None:
+    group.build(config(tiny), backend=DeepSpeedBackend)
+    written = group.save(str(tmp_path), 2, client_state={"step": 2})
+    group.build(config(tiny), backend=MOLT)
+    with pytest.raises(CheckpointError, match=r"no FSDP \(DCP\) state .* --actor.backend"):
+        group.load(written)
+
+
+def test_export_and_weight_stream_equal_the_full_state(group, tiny, tokenizer, tmp_path) -> None:
+    group.build(config(tiny), backend=DeepSpeedBackend)
+    deepspeed_shapes = group.run(lambda backend: backend.fingerprint())[0]
+    group.build(config(tiny), backend=MOLT)
+    assert group.run(lambda backend: backend.fingerprint())[0] == deepspeed_shapes
+    batch = sft_batch(tokenizer)
+    group.train_step(batch, SFTObjective(normalizer=float(batch["loss_mask"].sum())), max_rows=3)
+    state = full_state(group)
+    group.export_hf(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    for name, param in exported.named_parameters():
+        assert torch.equal(param.detach(), state[name]), name
+    # The sharded model's own logits equal the export's.
+    ours = group.forward(
+        batch, lambda m, b: m(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    )
+    with torch.no_grad():
+        theirs = exported(batch.input_ids, attention_mask=batch.attention_mask).logits
+    for rows, logits in ours:
+        torch.testing.assert_close(logits, theirs[rows, : logits.shape[1]], rtol=1e-5, atol=1e-5)
+
+    def buckets(backend):
+        return list(stream_weights(backend, version=3, bucket_bytes=16 * 1024))
+
+    sync, other = group.run(buckets)
+    assert other == [] and len(sync) > 1
+    sync = [b.with_total(len(sync)) for b in sync]
+    expected = {k: (tuple(v.shape), "float32") for k, v in state.items()}
+    assert validate_sync(sync, expected=expected) == 3
+    back = dict(iter_tensors(sync))
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_options_not_available_are_refused_by_flag(group, tiny) -> None:
+    for options, flag in [
+        ({"tp_size": 2}, "--actor.fsdp.tp_size 2"),
+        ({"cp_size": 2}, "--actor.fsdp.cp_size 2"),
+        ({"ep_size": 0}, "--actor.fsdp.ep_size must be >= 1"),
+        ({"offload": "optimizer"}, "--actor.fsdp.offload optimizer"),
+        ({"offload": "disk"}, "--actor.fsdp.offload must be one of"),
+        ({"param_dtype": "float16"}, "--actor.fsdp.param_dtype must be one of"),
+    ]:
+        with pytest.raises(FSDPConfigError, match=flag):
+            FSDPConfig(**options).validate(flag="actor.fsdp")
+    lora = LearnerConfig(
+        model=ModelConfig(path=str(tiny), lora_rank=4), optimizer=OptimizerConfig(lr=1e-3)
+    )
+    with pytest.raises(ValueError, match="model.lora_rank: LoRA is not available yet"):
+        group.build(lora, backend=MOLT)
+    group.build(config(tiny), backend=MOLT)
+    with pytest.raises(RuntimeError, match="cannot move its states off the device yet"):
+        group.offload_states()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from rlhf.algos import AlgoConfig
 from rlhf.learner import DeepSpeedConfig, LearnerConfig, ModelConfig, OptimizerConfig
+from rlhf.molt import FSDPConfig
 from rlhf.rollout import EngineOptions
 
 
@@ -111,7 +112,10 @@ class RoleConfig:
     Attributes:
         model: The model (``--actor.model.path``); the critic defaults to the actor's path.
         optimizer: Learning rate and schedule.
-        deepspeed: ZeRO stage, offload, bf16.
+        backend: What trains the role: ``deepspeed`` (ZeRO 0–3, the ``deepspeed`` options)
+            or ``molt`` (PyTorch FSDP2, the ``fsdp`` options); `rlhf.cli.backends`.
+        deepspeed: ZeRO stage, offload, bf16 (``--actor.backend deepspeed``).
+        fsdp: FSDP2 options (``--actor.backend molt``; Molt's ``--fsdp.*`` names).
         num_ranks: Data-parallel ranks (processes).
         num_gpus_per_rank: GPUs per rank (0 on CPU).
         num_cpus_per_rank: CPUs each rank reserves in Ray.
@@ -119,7 +123,9 @@ class RoleConfig:
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    backend: str = "deepspeed"
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     num_ranks: int = 1
     num_gpus_per_rank: float = 0.0
     num_cpus_per_rank: float = 1.0
@@ -136,14 +142,15 @@ class RoleConfig:
 
     def eval_only(self, *, offload: bool) -> RoleConfig:
         """A scoring role modelled on this one (the reference, the reward model): one rank;
-        with ``offload``, ZeRO-3 with its parameters on the CPU between uses (the logits
-        path then, since ZeRO-3 shards the lm_head outside its forward)."""
+        with ``offload``, DeepSpeed ZeRO-3 with its parameters on the CPU between uses (on
+        the deepspeed backend whatever this role's is: parameter offload is DeepSpeed's; the
+        logits path then, since ZeRO-3 shards the lm_head outside its forward)."""
         role = dataclasses.replace(self, num_ranks=1)
         if not offload:
             return role
         ds = dataclasses.replace(role.deepspeed, zero_stage=3, offload_params=True)
         model = dataclasses.replace(role.model, chunked_lm_head=False)
-        return dataclasses.replace(role, deepspeed=ds, model=model)
+        return dataclasses.replace(role, deepspeed=ds, model=model, backend="deepspeed")
 
     def with_model(self, **changes: object) -> RoleConfig:
         """This role with ``model`` fields changed."""
@@ -436,10 +443,25 @@ class RLConfig:
                 "--critic.model.chunked_lm_head: the critic has a value head, not an lm_head",
             ),
         ]
+        self._check_backends()  # first: the generic checks below speak of DeepSpeed's options
         for bad, message in checks:
             if bad:
                 raise ConfigError(message)
         return self
+
+    def _check_backends(self) -> None:
+        from rlhf.cli.backends import role_problems
+
+        roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.uses_critic else [])
+        for flag, role in roles:
+            problems = role_problems(role, flag=flag)
+            if problems:
+                raise ConfigError("; ".join(problems))
+            if role.backend == "molt" and self.train.deepspeed_enable_sleep is True:
+                raise ConfigError(
+                    f"--train.deepspeed_enable_sleep True moves DeepSpeed states; --{flag}."
+                    "backend molt keeps its states on the device: leave the flag unset"
+                )
 
     def model_dirs(self) -> list[str]:
         """Every model directory the run loads (checked before anything starts)."""
@@ -460,7 +482,10 @@ class RLConfig:
 
     @property
     def _offloadable_stages(self) -> bool:
-        return all(role.deepspeed.zero_stage in (1, 2) for role in self.trained_roles)
+        return all(
+            role.backend == "deepspeed" and role.deepspeed.zero_stage in (1, 2)
+            for role in self.trained_roles
+        )
 
     def offloads_learners(self, *, gpu: bool) -> bool:
         """Whether hybrid placement may move the actor's (and critic's) states between phases

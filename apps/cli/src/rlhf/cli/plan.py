@@ -3,7 +3,7 @@ each role runs."""
 
 from __future__ import annotations
 
-from rlhf.cli.config import RLConfig, TrainConfig
+from rlhf.cli.config import RLConfig, RoleConfig, TrainConfig
 from rlhf.cli.placement import describe, plan_bundles
 
 
@@ -24,7 +24,7 @@ def plan(config: RLConfig) -> list[str]:
         f"({'loss' if config.algo.kl.use_loss else 'reward'}, {config.algo.kl.estimator})",
         f"placement: {config.vllm.num_engines} vLLM engine(s) x TP "
         f"{config.vllm.tensor_parallel_size}; actor {config.actor.num_ranks} rank(s) "
-        f"ZeRO-{config.actor.deepspeed.zero_stage}"
+        f"{trains_on(config.actor)}"
         + ("; reference 1 rank" if config.uses_reference else "")
         + ("; reward model 1 rank" if config.train.reward_model_path else "")
         + (
@@ -32,10 +32,21 @@ def plan(config: RLConfig) -> list[str]:
             if config.train.ref_reward_offload
             else ""
         )
-        + (f"; critic {config.critic.num_ranks} rank(s)" if config.uses_critic else ""),
+        + (
+            f"; critic {config.critic.num_ranks} rank(s) {trains_on(config.critic)}"
+            if config.uses_critic
+            else ""
+        ),
         describe(plan_bundles(config)),
         mode(t),
     ]
+
+
+def trains_on(role: RoleConfig) -> str:
+    """``ZeRO-<stage>`` (the deepspeed backend) or ``FSDP2 (molt, <param dtype>)``."""
+    if role.backend == "molt":
+        return f"FSDP2 (molt, {role.fsdp.param_dtype})"
+    return f"ZeRO-{role.deepspeed.zero_stage}"
 
 
 def mode(t: TrainConfig) -> str:

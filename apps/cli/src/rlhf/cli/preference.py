@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf.cli.backends import backend_factory, role_problems
 from rlhf.cli.config import ConfigError, RoleConfig
 from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import MetricsLog
@@ -69,6 +70,9 @@ class PreferenceConfig:
             raise ConfigError("--dataset is required")
         if min(self.batch_size, self.micro_batch_size, self.num_steps) < 1:
             raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
+        problems = role_problems(self.model, flag="model")
+        if problems:
+            raise ConfigError("; ".join(problems))
         return self
 
 
@@ -121,7 +125,6 @@ def run_preference(
 
     from rlhf.cli.cluster import start_ray
     from rlhf.learner import (
-        DeepSpeedBackend,
         DPOObjective,
         LearnerGroup,
         MicroBatching,
@@ -162,7 +165,7 @@ def run_preference(
         learner = role.with_model(kind="scalar" if kind == "rm" else "causal_lm").learner(
             seed=config.seed, total_steps=config.num_steps
         )
-        group.build(learner, backend=DeepSpeedBackend)
+        group.build(learner, backend=backend_factory(role))
         if kind == "dpo":  # the reference is the initial policy: its log-probs, once
             train.fields["ref_logps"] = per_sequence(group, train, sequence_logps, micro)
             if held is not None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rlhf.cli.backends import backend_factory
 from rlhf.cli.config import RLConfig, RoleConfig, VllmConfig
 from rlhf.cli.hybrid import TurnTaking, measure_headroom
 from rlhf.cli.placement import Placement, place, placement_group_of_this_process
@@ -152,17 +153,15 @@ def start_engines(
 def start_learner(
     name: str, role: RoleConfig, learner: LearnerConfig, *, placement: Placement, gpu: bool
 ) -> tuple[LearnerGroup, list[Any]]:
-    """The ranks of one role, building with the DeepSpeed backend: the group and one object
-    ref per rank that resolves when its rank is built."""
-    from rlhf.learner import DeepSpeedBackend
-
+    """The ranks of one role, building with the role's backend (``--<role>.backend``): the
+    group and one object ref per rank that resolves when its rank is built."""
     group = LearnerGroup(
         num_ranks=role.num_ranks,
         num_cpus_per_rank=role.num_cpus_per_rank,
         num_gpus_per_rank=placement.gpus.get(name, role.num_gpus_per_rank) if gpu else 0.0,
         scheduling=placement.scheduling.get(name),
     )
-    return group, group.start_build(learner, backend=DeepSpeedBackend)
+    return group, group.start_build(learner, backend=backend_factory(role))
 
 
 def wait_ready(pending: Mapping[str, Sequence[Any]]) -> dict[str, float]:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf.cli.backends import backend_factory, role_problems
 from rlhf.cli.config import ConfigError, RoleConfig
 from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import MetricsLog
@@ -57,6 +58,9 @@ class SFTConfig:
             raise ConfigError("--dataset is required")
         if self.batch_size < 1 or self.micro_batch_size < 1 or self.num_steps < 1:
             raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
+        problems = role_problems(self.model, flag="model")
+        if problems:
+            raise ConfigError("; ".join(problems))
         return self
 
 
@@ -65,7 +69,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     from transformers import AutoTokenizer
 
     from rlhf.cli.cluster import start_ray
-    from rlhf.learner import DeepSpeedBackend, LearnerGroup, SFTObjective, collate, sft_row
+    from rlhf.learner import LearnerGroup, SFTObjective, collate, sft_row
 
     config.validate()
     run_dir = pathlib.Path(config.run_dir)
@@ -101,7 +105,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     try:
         group.build(
             role.learner(seed=config.seed, total_steps=config.num_steps),
-            backend=DeepSpeedBackend,
+            backend=backend_factory(role),
         )
         for step in range(1, config.num_steps + 1):
             while len(order) < config.batch_size:

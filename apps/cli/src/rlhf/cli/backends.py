@@ -1,0 +1,57 @@
+"""The learner backends a role can run on (``--<role>.backend``), by name.
+
+Each entry turns a role's settings into the factory `rlhf.learner.LearnerGroup.build` calls in
+every rank's process; the concrete backends are imported only there and when chosen.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlhf.cli.config import RoleConfig
+
+
+def _deepspeed(role: RoleConfig) -> Any:
+    from rlhf.learner import DeepSpeedBackend
+
+    return DeepSpeedBackend
+
+
+def _molt(role: RoleConfig) -> Any:
+    from rlhf.molt import FSDPBackend
+
+    return functools.partial(FSDPBackend, fsdp=role.fsdp)
+
+
+BACKENDS: dict[str, Callable[[RoleConfig], Any]] = {"deepspeed": _deepspeed, "molt": _molt}
+"""``--<role>.backend`` values: DeepSpeed ZeRO 0–3 (`rlhf.learner.DeepSpeedBackend`) or FSDP2
+(`rlhf.molt.FSDPBackend`)."""
+
+
+def backend_factory(role: RoleConfig) -> Any:
+    """The `rlhf.learner.BackendFactory` of ``role`` (validated: see `role_problems`)."""
+    return BACKENDS[role.backend](role)
+
+
+def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
+    """What keeps ``role`` (flags ``--{flag}.*``) from building on its backend, each message
+    naming the flag and what to do; empty when it can."""
+    from rlhf.molt import FSDPConfigError
+
+    if role.backend not in BACKENDS:
+        return [f"--{flag}.backend must be one of {', '.join(BACKENDS)}, got {role.backend!r}"]
+    if role.backend != "molt":
+        return []
+    problems = []
+    try:
+        role.fsdp.validate(flag=f"{flag}.fsdp")
+    except FSDPConfigError as exc:
+        problems.append(str(exc))
+    if role.model.lora_rank:
+        problems.append(
+            f"--{flag}.model.lora_rank: LoRA runs on --{flag}.backend deepspeed for now"
+        )
+    return problems

@@ -236,3 +236,34 @@ def test_options_not_available_are_refused_by_flag(group, tiny) -> None:
     group.build(config(tiny), backend=MOLT)
     with pytest.raises(RuntimeError, match="cannot move its states off the device yet"):
         group.offload_states()
+
+
+def test_ema_of_the_shards_follows_the_weights_and_survives_a_checkpoint(
+    group, tiny, tokenizer, tmp_path
+) -> None:
+    cfg = LearnerConfig(
+        model=ModelConfig(path=str(tiny)),
+        optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0, ema_decay=0.5),
+    )
+    group.build(cfg, backend=MOLT)
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    w = [full_state(group)]
+    for _ in range(2):
+        group.train_step(batch, objective, max_rows=3)
+        w.append(full_state(group))
+    path = group.save(str(tmp_path), 2, client_state={"step": 2})
+    ema = group.run(lambda backend: backend.state_dict_on_rank0(ema=True))[0]
+    # ema0 = w0; ema1 = (w0 + w1) / 2; ema2 = ema1 / 2 + w2 / 2 = w0/4 + w1/4 + w2/2.
+    for name in w[0]:
+        expected = 0.25 * w[0][name] + 0.25 * w[1][name] + 0.5 * w[2][name]
+        torch.testing.assert_close(ema[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    # Reading the EMA left the live weights as they were.
+    assert all(torch.equal(full_state(group)[k], w[2][k]) for k in w[2])
+    group.build(cfg, backend=MOLT)
+    group.load(path)
+    restored = group.run(lambda backend: backend.state_dict_on_rank0(ema=True))[0]
+    assert all(torch.equal(restored[k], ema[k]) for k in ema)
+    group.export_hf(str(tmp_path / "ema"), ema=True)
+    exported = Qwen2ForCausalLM.from_pretrained(tmp_path / "ema", dtype=torch.float32)
+    assert torch.equal(exported.model.norm.weight.detach(), ema["model.norm.weight"])

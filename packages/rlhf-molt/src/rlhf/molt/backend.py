@@ -273,9 +273,9 @@ class FSDPBackend:
             return  # an eval-only role is rebuilt from its model path
         backend = pathlib.Path(directory) / "backend"
         save(self._dcp_state(), checkpoint_id=str(backend))
-        if self.rank == 0:
-            schedule = {"scheduler": self.scheduler.state_dict(), "client_state": client_state}
-            (backend / _SCHEDULE_FILE).write_text(json.dumps(schedule, default=str))
+        if self.rank == 0:  # the driver's client_state goes to trainer_state.json (finalize)
+            schedule = {"scheduler": self.scheduler.state_dict()}
+            (backend / _SCHEDULE_FILE).write_text(json.dumps(schedule))
         ckpt.write_rank_rng(directory, self.rank)
         if self._ema is not None:
             (pathlib.Path(directory) / "ema").mkdir(exist_ok=True)
@@ -283,8 +283,7 @@ class FSDPBackend:
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Validate ``directory`` against this model, then restore everything
-        `save_checkpoint` wrote (the shards may come from a different number of ranks); returns
-        the driver's trainer state."""
+        `save_checkpoint` wrote; returns the driver's trainer state."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
 

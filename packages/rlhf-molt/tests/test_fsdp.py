@@ -309,3 +309,28 @@ def test_preference_steps_equal_deepspeed(group, tiny, tokenizer, kind) -> None:
     )
     for name, tensor in states["deepspeed"].items():
         torch.testing.assert_close(states["molt"][name], tensor, rtol=0, atol=2e-6)
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_rank(group, tiny, tokenizer, tmp_path) -> None:
+    """DCP reshards on load: the step after a 2-rank checkpoint, taken by 1 rank, equals the
+    2-rank run's (the same global batch; only the summation order differs)."""
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    group.build(config(tiny), backend=MOLT)
+    group.train_step(batch, objective, max_rows=3)
+    path = group.save(str(tmp_path), 1, client_state={"step": 1})
+    expected = group.train_step(batch, objective, max_rows=3)
+    expected_state = full_state(group)
+    single = LearnerGroup(num_ranks=1)
+    try:
+        single.build(config(tiny), backend=MOLT)
+        assert single.load(path) == {"step": 1}
+        got = single.train_step(batch, objective, max_rows=3)
+        state = full_state(single)
+    finally:
+        single.shutdown()
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+    assert got["lr"] == expected["lr"]
+    for name, tensor in expected_state.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=2e-6)

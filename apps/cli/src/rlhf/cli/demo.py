@@ -27,7 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf.cli.backends import BACKENDS
 from rlhf.cli.config import (
+    ConfigError,
     DataConfig,
     EvalConfig,
     RLConfig,
@@ -56,6 +58,8 @@ class DemoConfig:
         eval_steps: Evaluate every this many RL steps.
         sft_model: Skip the warm start and begin RL from this SFT export (the learning
             table shares one warm start across algorithms).
+        backend: What trains the warm start and the RL learners: ``deepspeed`` or ``molt``
+            (PyTorch FSDP2; ``--actor.backend`` of ``rlhf train``).
     """
 
     run_dir: str = "runs/demo"
@@ -66,6 +70,7 @@ class DemoConfig:
     seed: int = 0
     eval_steps: int = 5
     sft_model: str | None = None
+    backend: str = "deepspeed"
 
 
 def _digits(rng: random.Random) -> str:
@@ -151,6 +156,7 @@ def rl_config(config: DemoConfig, model: pathlib.Path, data: dict[str, pathlib.P
     role = RoleConfig(
         model=ModelConfig(path=str(model)),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant", grad_clip=1.0),
+        backend=config.backend,
         num_cpus_per_rank=0.5,
     )
     critic = dataclasses.replace(role, optimizer=OptimizerConfig(lr=3e-3, schedule="constant"))
@@ -185,6 +191,8 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
     from rlhf.cli.startup import Stopwatch
     from rlhf.learner import ModelConfig, OptimizerConfig
 
+    if config.backend not in BACKENDS:
+        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
     started = time.perf_counter()
     root = pathlib.Path(config.run_dir)
     data = make_assets(root / "assets", noise=config.noise, seed=config.seed)
@@ -204,6 +212,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
                 model=RoleConfig(
                     model=ModelConfig(path=str(data["model"])),
                     optimizer=OptimizerConfig(lr=3e-3, schedule="constant", grad_clip=1.0),
+                    backend=config.backend,
                 ),
             ),
             echo=echo,

@@ -79,6 +79,10 @@ def test_sft_trains_on_fsdp2(assets, tmp_path) -> None:
             "--actor.model.lora_rank: LoRA runs on --actor.backend deepspeed",
         ),
         (
+            ["--actor.backend", "molt", "--actor.model.chunked_lm_head", "True"],
+            "--actor.model.chunked_lm_head runs on --actor.backend deepspeed",
+        ),
+        (
             [
                 *("--actor.backend", "molt", "--train.colocate_all", "True"),
                 *("--train.deepspeed_enable_sleep", "True"),

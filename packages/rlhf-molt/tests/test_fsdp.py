@@ -47,9 +47,11 @@ def group(ray_cluster):
     g.shutdown()
 
 
-def config(path, *, kind: str = "causal_lm", packing: bool = False, lr: float = 1e-3):
+def config(path, *, kind: str = "causal_lm", packing: bool = False, chunked: bool = False, lr=1e-3):
     return LearnerConfig(
-        model=ModelConfig(path=str(path), kind=kind, packing_samples=packing),
+        model=ModelConfig(
+            path=str(path), kind=kind, packing_samples=packing, chunked_lm_head=chunked
+        ),
         optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, betas=(0.9, 0.95)),
         deepspeed=DeepSpeedConfig(zero_stage=2),
     )
@@ -88,11 +90,12 @@ def sft_batch(tokenizer, n: int = 6):
     )
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_ppo_actor_step_equals_one_process_and_deepspeed(group, tiny, packing) -> None:
+@pytest.mark.parametrize("option", [None, "packing"])
+def test_ppo_actor_step_equals_one_process_and_deepspeed(group, tiny, option) -> None:
     """2 ranks × 3 uneven micro-batches (one rank pads with a weight-0 pass): the loss, the
     gradient norm and every updated parameter equal one full-batch step in this process, and
-    the DeepSpeed ZeRO-2 backend's step on the same split."""
+    the DeepSpeed ZeRO-2 backend's step on the same split — also padding-free."""
+    packing = option == "packing"
     model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     batch = rl_batch(model, seed=2)
     algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
@@ -237,6 +240,8 @@ def test_options_not_available_are_refused_by_flag(group, tiny) -> None:
     )
     with pytest.raises(ValueError, match="model.lora_rank: LoRA is not available yet"):
         group.build(lora, backend=MOLT)
+    with pytest.raises(ValueError, match="model.chunked_lm_head: not available yet"):
+        group.build(config(tiny, chunked=True), backend=MOLT)
     group.build(config(tiny), backend=MOLT)
     with pytest.raises(RuntimeError, match="cannot move its states off the device yet"):
         group.offload_states()

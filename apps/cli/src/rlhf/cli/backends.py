@@ -54,4 +54,9 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
         problems.append(
             f"--{flag}.model.lora_rank: LoRA runs on --{flag}.backend deepspeed for now"
         )
+    if role.model.chunked_lm_head:
+        problems.append(
+            f"--{flag}.model.chunked_lm_head runs on --{flag}.backend deepspeed for now (FSDP2 "
+            "keeps the lm_head sharded outside the model's forward)"
+        )
     return problems

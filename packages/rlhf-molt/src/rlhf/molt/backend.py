@@ -41,7 +41,7 @@ from rlhf.learner.batch import Batch
 from rlhf.learner.checkpoint import CheckpointError
 from rlhf.learner.config import LearnerConfig
 from rlhf.learner.export import write_hf_export
-from rlhf.learner.forward import check_chunked_lm_head, check_packing
+from rlhf.learner.forward import check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt.config import FSDPConfig
@@ -111,6 +111,11 @@ class FSDPBackend:
                 "model.lora_rank: LoRA is not available yet in the molt backend; train LoRA "
                 "with the deepspeed backend"
             )
+        if config.model.chunked_lm_head:
+            raise ValueError(
+                "model.chunked_lm_head: not available yet in the molt backend (FSDP2 keeps the "
+                "lm_head sharded outside the model's forward); leave it off"
+            )
         init_distributed()
         self.config = config
         self.rank = torch.distributed.get_rank()
@@ -147,8 +152,6 @@ class FSDPBackend:
         model.eval()
         if config.model.packing_samples:
             check_packing(model, device=self.device, flag="model.packing_samples")
-        if config.model.chunked_lm_head:
-            check_chunked_lm_head(model, device=self.device, flag="model.chunked_lm_head")
         self._ema: dict[str, Tensor] | None = None
         if config.optimizer is not None and config.optimizer.ema_decay is not None:
             self._ema = {n: _local(p).detach().float().clone() for n, p in self._trainable()}

@@ -39,13 +39,40 @@ def _steps(run_dir) -> list[dict]:
 
 ASYNC = ["--train.async_enable", "True", "--train.async_queue_size", "1"]
 
+HELD_REWARD = '''
+import os
+import pathlib
+import time
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    """The graded reward of the shared assets; with RLHF_TEST_HOLD_AT set, a call that would
+    score beyond that many samples (counted in the RLHF_TEST_LEDGER file) never returns, so
+    the run stops making progress at a known step until it is killed."""
+    hold = os.environ.get("RLHF_TEST_HOLD_AT")
+    if hold:
+        ledger = pathlib.Path(os.environ["RLHF_TEST_LEDGER"])
+        scored = len(ledger.read_text()) if ledger.exists() else 0
+        while scored >= int(hold):  # held until the test kills the run
+            time.sleep(1.0)
+        with ledger.open("a") as f:
+            f.write("." * len(queries))
+    return [
+        sum(a == b for a, b in zip(response, label)) / len(label)
+        for response, label in zip(kwargs["responses"], labels)
+    ]
+'''
+
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_path, mode) -> None:
     """In async mode the step-2 checkpoint also holds step 3's batch, sampled with the weights
     after step 1 before the kill: the resumed run trains on exactly those samples."""
+    held = tmp_path / "held_reward.py"
+    held.write_text(HELD_REWARD)
     common = [
-        *small_run(assets, steps=4),
+        *small_run(assets, steps=4, reward=False),
+        "--train.reward_func", str(held),
         "--actor.optimizer.lr", "1e-3",
         "--actor.optimizer.total_steps", "4",
         "--actor.optimizer.min_lr_ratio", "0.0",
@@ -55,8 +82,16 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert rlhf("train", "grpo", "--run_dir", str(whole), *common).returncode == 0
     # The same run, killed (SIGKILL, with its Ray processes) once its step-2 checkpoint is in
-    # place, then started again with --ckpt.load_enable.
-    env = dict(os.environ)
+    # place, then started again with --ckpt.load_enable. Its reward holds the samples of the
+    # first batch the step-2 checkpoint does not contain (step 3's; step 4's in async mode,
+    # where the checkpoint holds step 3's batch), so no later checkpoint can race the kill.
+    per_step = 16
+    held_batches = 3 if mode == "async" else 2
+    env = {
+        **os.environ,
+        "RLHF_TEST_HOLD_AT": str(per_step * held_batches),
+        "RLHF_TEST_LEDGER": str(tmp_path / "ledger"),
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf.cli", "train", "grpo", "--run_dir", str(part), *common],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
@@ -66,6 +101,8 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
     while not marker.exists() and proc.poll() is None:
         assert time.monotonic() < deadline, "no step-2 checkpoint within 10 minutes"
         time.sleep(0.2)
+    assert proc.poll() is None, "the held run ended on its own"
+    assert len((tmp_path / "ledger").read_text()) == per_step * held_batches
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     resumed = rlhf("train", "grpo", "--run_dir", str(part), "--ckpt.load_enable", "True", *common)

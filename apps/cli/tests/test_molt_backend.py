@@ -50,6 +50,26 @@ def test_ppo_trains_syncs_and_resumes_on_fsdp2(assets, tmp_path) -> None:
     assert b[3]["actor/lr"] == a[3]["actor/lr"]
 
 
+def test_grpo_trains_and_syncs_with_a_tensor_parallel_actor(assets, tmp_path) -> None:
+    """The actor split over 2 tensor-parallel ranks (the demo model's 4 heads and 2 key/value
+    heads split 2 ways), the reference likewise: it trains, and every sync gathers whole
+    weights the engine verifies one by one."""
+    out = rlhf(
+        "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=2),
+        "--actor.backend", "molt", "--actor.fsdp.tp_size", "2", "--actor.num_ranks", "2",
+        "--algo.kl.init_coef", "0.01", "--vllm.verify_sync", "full",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "actor 2 rank(s) FSDP2 (molt, float32, dp 1 x tp 2)" in out.stdout
+    placement = json.loads((tmp_path / "placement.json").read_text())
+    assert len(placement["ref"]["placement_group"]) == 2  # one replica: both tp ranks
+    steps = _steps(tmp_path)
+    assert sorted(steps) == [1, 2] and all(r["actor/grad_norm"] > 0 for r in steps.values())
+    assert json.loads((tmp_path / "sync.json").read_text())["engines_loaded"] == [
+        {"shared_memory": 2}
+    ]
+
+
 def test_sft_trains_on_fsdp2(assets, tmp_path) -> None:
     out = rlhf(
         "train", "sft", "--run_dir", str(tmp_path), "--dataset", str(assets["sft"]),
@@ -69,7 +89,17 @@ def test_sft_trains_on_fsdp2(assets, tmp_path) -> None:
     ("flags", "message"),
     [
         (["--actor.backend", "fsdp"], "--actor.backend must be one of deepspeed, molt"),
-        (["--actor.backend", "molt", "--actor.fsdp.tp_size", "2"], "--actor.fsdp.tp_size 2"),
+        (
+            ["--actor.backend", "molt", "--actor.fsdp.tp_size", "2"],
+            "--actor.fsdp.tp_size 2 must divide the role's 1 rank(s)",
+        ),
+        (
+            [
+                *("--actor.backend", "molt", "--actor.fsdp.tp_size", "4"),
+                *("--actor.num_ranks", "4"),
+            ],
+            "--actor.fsdp.tp_size 4 must divide the model's num_key_value_heads (2)",
+        ),
         (
             ["--actor.backend", "molt", "--actor.fsdp.param_dtype", "float16"],
             "--actor.fsdp.param_dtype must be one of",

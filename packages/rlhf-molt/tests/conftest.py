@@ -11,9 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("tiny-qwen2")
+def _tiny_qwen2(path: pathlib.Path, *, heads: int, kv_heads: int) -> pathlib.Path:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -35,8 +33,8 @@ def tiny(tmp_path_factory) -> pathlib.Path:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=256,
         tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id,
@@ -44,6 +42,17 @@ def tiny(tmp_path_factory) -> pathlib.Path:
     )
     Qwen2ForCausalLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> pathlib.Path:
+    return _tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp(tmp_path_factory) -> pathlib.Path:
+    """The same shape with 4 attention and 2 key/value heads: splits 2 ways."""
+    return _tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2-tp"), heads=4, kv_heads=2)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ from rlhf.learner import (
     CheckpointError,
     CriticObjective,
     DeepSpeedBackend,
-    DeepSpeedConfig,
     DPOObjective,
     LearnerConfig,
     LearnerGroup,
@@ -29,13 +28,13 @@ from rlhf.learner import (
     load_model,
     preference_row,
     sequence_logps,
-    sft_row,
     stream_weights,
-    token_logprobs,
 )
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
 from rlhf.weights import iter_tensors, validate_sync
+
+from .molt_cases import config, full_state, rl_batch, sft_batch
 
 MOLT = functools.partial(FSDPBackend, fsdp=FSDPConfig())
 
@@ -45,49 +44,6 @@ def group(ray_cluster):
     g = LearnerGroup(num_ranks=2)
     yield g
     g.shutdown()
-
-
-def config(path, *, kind: str = "causal_lm", packing: bool = False, chunked: bool = False, lr=1e-3):
-    return LearnerConfig(
-        model=ModelConfig(
-            path=str(path), kind=kind, packing_samples=packing, chunked_lm_head=chunked
-        ),
-        optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, betas=(0.9, 0.95)),
-        deepspeed=DeepSpeedConfig(zero_stage=2),
-    )
-
-
-def full_state(group) -> dict[str, torch.Tensor]:
-    return group.run(lambda backend: backend.state_dict_on_rank0())[0]
-
-
-def rl_batch(model, *, seed: int):
-    """Six rows of prompt + response with old/reference log-probs near the model's own."""
-    gen = torch.Generator().manual_seed(seed)
-    rows, masks = [], []
-    for n_prompt, n_resp in [(3, 4), (5, 2), (2, 6), (4, 3), (3, 1), (6, 5)]:
-        rows.append(torch.randint(3, 200, (n_prompt + n_resp,), generator=gen).tolist())
-        masks.append([0] * n_prompt + [1] * n_resp)
-    batch = collate(rows, pad_token_id=0, per_token={"action_mask": masks})
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
-    m = batch["action_mask"]
-    batch.fields["old_logprobs"] = lp + torch.randn(lp.shape, generator=gen) * 0.3 * m
-    batch.fields["ref_logprobs"] = lp + torch.randn(lp.shape, generator=gen) * 0.2 * m
-    batch.fields["advantages"] = torch.randn(lp.shape, generator=gen) * m
-    return batch
-
-
-def sft_batch(tokenizer, n: int = 6):
-    rows = [
-        sft_row({"input": f"what is {i} plus {i}?", "output": str(2 * i)}, i, tokenizer)
-        for i in range(n)
-    ]
-    return collate(
-        [r.input_ids for r in rows],
-        pad_token_id=tokenizer.pad_token_id,
-        per_token={"loss_mask": [r.loss_mask for r in rows]},
-    )
 
 
 @pytest.mark.parametrize("option", [None, "packing"])
@@ -226,7 +182,7 @@ def test_export_and_weight_stream_equal_the_full_state(group, tiny, tokenizer, t
 
 def test_options_not_available_are_refused_by_flag(group, tiny) -> None:
     for options, flag in [
-        ({"tp_size": 2}, "--actor.fsdp.tp_size 2"),
+        ({"tp_size": 0}, "--actor.fsdp.tp_size must be >= 1"),
         ({"cp_size": 2}, "--actor.fsdp.cp_size 2"),
         ({"ep_size": 0}, "--actor.fsdp.ep_size must be >= 1"),
         ({"offload": "optimizer"}, "--actor.fsdp.offload optimizer"),

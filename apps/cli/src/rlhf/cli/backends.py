@@ -7,6 +7,7 @@ every rank's process; the concrete backends are imported only there and when cho
 from __future__ import annotations
 
 import functools
+import pathlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
         role.fsdp.validate(flag=f"{flag}.fsdp")
     except FSDPConfigError as exc:
         problems.append(str(exc))
+    problems += _tensor_parallel_problems(role, flag=flag)
     if role.model.lora_rank:
         problems.append(
             f"--{flag}.model.lora_rank: LoRA runs on --{flag}.backend deepspeed for now"
@@ -60,3 +62,25 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
             "keeps the lm_head sharded outside the model's forward)"
         )
     return problems
+
+
+def _tensor_parallel_problems(role: RoleConfig, *, flag: str) -> list[str]:
+    """``--{flag}.fsdp.tp_size`` against the role's ranks and its model's heads (read from the
+    model's config.json only; a missing model is reported by the model checks)."""
+    from rlhf.molt import FSDPConfigError
+    from rlhf.molt.tensor_parallel import check_tensor_parallel
+
+    if role.fsdp.tp_size <= 1:
+        return []
+    model_config = None
+    if role.model.path and (pathlib.Path(role.model.path) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(role.model.path)
+    try:
+        check_tensor_parallel(
+            model_config, tp_size=role.fsdp.tp_size, world_size=role.num_ranks, flag=f"{flag}.fsdp"
+        )
+    except FSDPConfigError as exc:
+        return [str(exc)]
+    return []

@@ -116,7 +116,7 @@ class RoleConfig:
             or ``molt`` (PyTorch FSDP2, the ``fsdp`` options); `rlhf.cli.backends`.
         deepspeed: ZeRO stage, offload, bf16 (``--actor.backend deepspeed``).
         fsdp: FSDP2 options (``--actor.backend molt``; Molt's ``--fsdp.*`` names).
-        num_ranks: Data-parallel ranks (processes).
+        num_ranks: Ranks (processes): data-parallel replicas x ``fsdp.tp_size`` on molt.
         num_gpus_per_rank: GPUs per rank (0 on CPU).
         num_cpus_per_rank: CPUs each rank reserves in Ray.
     """
@@ -144,8 +144,11 @@ class RoleConfig:
         """A scoring role modelled on this one (the reference, the reward model): one rank;
         with ``offload``, DeepSpeed ZeRO-3 with its parameters on the CPU between uses (on
         the deepspeed backend whatever this role's is: parameter offload is DeepSpeed's; the
-        logits path then, since ZeRO-3 shards the lm_head outside its forward)."""
-        role = dataclasses.replace(self, num_ranks=1)
+        logits path then, since ZeRO-3 shards the lm_head outside its forward). One
+        data-parallel replica: ``fsdp.tp_size`` ranks on molt (it stays split as this role
+        is), else 1."""
+        replica = self.fsdp.tp_size if self.backend == "molt" else 1
+        role = dataclasses.replace(self, num_ranks=replica)
         if not offload:
             return role
         ds = dataclasses.replace(role.deepspeed, zero_stage=3, offload_params=True)

@@ -43,9 +43,12 @@ def plan(config: RLConfig) -> list[str]:
 
 
 def trains_on(role: RoleConfig) -> str:
-    """``ZeRO-<stage>`` (the deepspeed backend) or ``FSDP2 (molt, <param dtype>)``."""
+    """``ZeRO-<stage>`` (the deepspeed backend) or ``FSDP2 (molt, <param dtype>)``, with
+    ``, dp <n> x tp <m>`` when the model is split over tensor-parallel ranks."""
     if role.backend == "molt":
-        return f"FSDP2 (molt, {role.fsdp.param_dtype})"
+        tp = role.fsdp.tp_size
+        mesh = f", dp {role.num_ranks // tp} x tp {tp}" if tp > 1 else ""
+        return f"FSDP2 (molt, {role.fsdp.param_dtype}{mesh})"
     return f"ZeRO-{role.deepspeed.zero_stage}"
 
 

@@ -31,8 +31,9 @@ def role_configs(
     config: RLConfig, *, total_optimizer_steps: int
 ) -> dict[str, tuple[RoleConfig, LearnerConfig]]:
     """Every learner role the run starts: its ``--<role>.*`` settings (ranks, resources) and
-    its `rlhf.learner` config. The reference and the reward model score only: one rank, no
-    optimizer, ZeRO-3 with offloaded parameters under ``--train.ref_reward_offload``."""
+    its `rlhf.learner` config. The reference and the reward model score only: one
+    data-parallel replica (`RoleConfig.eval_only`), no optimizer, ZeRO-3 with offloaded
+    parameters under ``--train.ref_reward_offload``."""
     seed, train = config.train.seed, config.train
     offload = train.ref_reward_offload
     roles = {"actor": (config.actor, total_optimizer_steps, True)}

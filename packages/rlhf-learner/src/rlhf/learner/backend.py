@@ -32,9 +32,12 @@ class Objective(Protocol):
 class Backend(Protocol):
     """One rank of one role.
 
-    ``rank`` / ``world_size`` are the data-parallel coordinates, ``device`` the rank's device,
-    ``module`` the unwrapped model. Methods that gather or reduce are collective: every rank of
-    the role calls them together.
+    ``rank`` / ``world_size`` are the process coordinates in the role's group (also the
+    data-parallel ones unless the backend also has ``dp_rank`` / ``dp_size``: a backend that
+    splits the model over several ranks, e.g. tensor parallel, says which data-parallel
+    replica a rank belongs to, and `LearnerGroup` deals micro-batches per replica).
+    ``device`` is the rank's device, ``module`` the unwrapped model. Methods that gather or
+    reduce are collective: every rank of the role calls them together.
     """
 
     rank: int

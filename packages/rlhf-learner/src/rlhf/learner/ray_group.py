@@ -1,8 +1,11 @@
-"""A role's ranks as Ray actors: one process per data-parallel rank, set up for
-``torch.distributed`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+"""A role's ranks as Ray actors: one process per rank, set up for ``torch.distributed`` (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
-`LearnerGroup` is a `rlhf.learner.Role`: it splits work across its ranks (`rlhf.learner.role.
-deal`, as `InProcessRole` does) and gathers results; the driver never holds model weights.
+`LearnerGroup` is a `rlhf.learner.Role`: it splits work across its data-parallel coordinates
+(`rlhf.learner.role.deal`, as `InProcessRole` does) and gathers results; the driver never
+holds model weights. A backend that splits the model over several ranks (tensor parallel)
+reports each rank's data-parallel coordinate (``dp_rank``, ``dp_size``): ranks that share one
+run the same micro-batches, and only the first of them reports results.
 Each rank builds its backend with the factory `LearnerGroup.build` is given, so this module
 knows no concrete backend. A group method that shares a name with a `Backend` method takes the
 same arguments and runs it on every rank. Ray is imported when a group is created
@@ -51,6 +54,12 @@ class RankWorker:
             self.backend = None
         self.backend = backend(config)
         return self.backend.fingerprint()
+
+    def data_parallel(self) -> tuple[int, int]:
+        """This rank's data-parallel coordinate and the number of them (the backend's
+        ``dp_rank``/``dp_size``; its rank and world size when it has none)."""
+        rank = getattr(self.backend, "dp_rank", self.backend.rank)
+        return int(rank), int(getattr(self.backend, "dp_size", self.backend.world_size))
 
     def train_micro_batches(
         self, micro: Sequence[Batch], objective: Objective, weights: Sequence[float] | None
@@ -103,7 +112,8 @@ class LearnerGroup:
     """The ranks of one role, as Ray actors; a `rlhf.learner.Role`.
 
     Args:
-        num_ranks: Data-parallel ranks (processes).
+        num_ranks: Ranks (processes): data-parallel replicas × the backend's model-parallel
+            degree.
         num_cpus_per_rank: CPUs each rank reserves in Ray.
         num_gpus_per_rank: GPUs each rank reserves (0 on CPU machines).
         env: Extra environment variables of the rank processes.
@@ -141,6 +151,7 @@ class LearnerGroup:
         ]
         self.world_size = num_ranks
         self.packing_samples = False  # set by build(): token budgets count real tokens
+        self._dp_ranks: list[int] | None = None  # per rank, asked of the backends once built
 
     def _all(
         self, method: str, *args: Any, per_rank: Sequence[Sequence[Any]] | None = None
@@ -167,13 +178,39 @@ class LearnerGroup:
         """`build` without waiting: one object ref per rank (each resolves to the model's
         fingerprint, or raises the rank's error), so several roles can start side by side."""
         self.packing_samples = config.model.packing_samples
+        self._dp_ranks = None
         return [w.build.remote(config, backend) for w in self.workers]
+
+    def _data_parallel(self) -> list[int]:
+        """Each rank's data-parallel coordinate (asked of the built backends once)."""
+        import ray
+
+        if self._dp_ranks is None:
+            layout = ray.get([w.data_parallel.remote() for w in self.workers])
+            sizes = {size for _, size in layout}
+            ranks = [rank for rank, _ in layout]
+            if len(sizes) != 1 or set(ranks) != set(range(sizes.pop())):
+                raise RuntimeError(f"the ranks report inconsistent data-parallel layouts: {layout}")
+            self._dp_ranks = ranks
+        return self._dp_ranks
+
+    def _leaders(self) -> list[int]:
+        """The first rank of each data-parallel coordinate, in coordinate order."""
+        first: dict[int, int] = {}
+        for rank, dp in enumerate(self._data_parallel()):
+            first.setdefault(dp, rank)
+        return [first[dp] for dp in sorted(first)]
+
+    def _per_rank(self, per_dp: Sequence[Any]) -> list[Any]:
+        """Work made per data-parallel coordinate, given to every rank of that coordinate."""
+        return [per_dp[dp] for dp in self._data_parallel()]
 
     def split(
         self, batch: Batch, *, max_tokens: int | None = None, max_rows: int | None = None
     ) -> list[tuple[list[Batch], list[float]]]:
-        """Micro-batches of ``batch`` dealt to ranks, with their weights; ranks left without
-        one get a weight-0 copy of the first (every rank must run the same collectives)."""
+        """Micro-batches of ``batch`` dealt to the data-parallel coordinates, with their
+        weights; one left without any gets a weight-0 copy of the first (every rank must run
+        the same collectives)."""
         return self._split(batch, max_tokens, max_rows)[0]
 
     def _split(
@@ -181,7 +218,7 @@ class LearnerGroup:
     ) -> tuple[list[tuple[list[Batch], list[float]]], list[list[list[int]]]]:
         groups, dealt = deal(
             batch,
-            world_size=self.world_size,
+            world_size=len(self._leaders()),
             max_tokens=max_tokens,
             max_rows=max_rows,
             packing_samples=self.packing_samples,
@@ -209,12 +246,12 @@ class LearnerGroup:
         weights: Sequence[float] | None = None,
     ) -> dict[str, float]:
         """`Backend.train_micro_batches` over micro-batches the caller made (e.g. whole
-        preference pairs), dealt round-robin to the ranks; ranks left without one run a
-        weight-0 copy. ``loss`` is the global loss."""
+        preference pairs), dealt round-robin to the data-parallel coordinates; one left
+        without any runs a weight-0 copy. ``loss`` is the global loss."""
         if not micro_batches:
             raise ValueError("train_micro_batches needs at least one micro-batch")
         scale = [1.0] * len(micro_batches) if weights is None else list(weights)
-        n = self.world_size
+        n = len(self._leaders())
         parts = [
             (list(micro_batches[r::n]), scale[r::n]) if micro_batches[r::n]
             else ([micro_batches[0]], [0.0])
@@ -225,8 +262,9 @@ class LearnerGroup:
     def _train(
         self, parts: list[tuple[list[Batch], list[float]]], objective: Objective
     ) -> dict[str, float]:
-        results = self._all("train_micro_batches", per_rank=[(m, objective, w) for m, w in parts])
-        return merge_train_metrics(results)
+        per_rank = self._per_rank([(m, objective, w) for m, w in parts])
+        results = self._all("train_micro_batches", per_rank=per_rank)
+        return merge_train_metrics([results[r] for r in self._leaders()])
 
     def forward(
         self,
@@ -239,8 +277,10 @@ class LearnerGroup:
         """`rlhf.learner.Role.forward` on every rank; ``[(rows, result), ...]`` in row
         order."""
         work, dealt = self._split(batch, max_tokens, max_rows)
-        results = self._all("forward_micro_batches", per_rank=[(m, fn) for m, _ in work])
-        return row_results(dealt, results)
+        results = self._all(
+            "forward_micro_batches", per_rank=self._per_rank([(m, fn) for m, _ in work])
+        )
+        return row_results(dealt, [results[r] for r in self._leaders()])
 
     def save(
         self, root: str, step: int, *, client_state: Mapping[str, Any], keep: int | None = None

@@ -1,18 +1,24 @@
-"""The FSDP2 implementation of `rlhf.learner.Backend` (data parallel; torch only).
+"""The FSDP2 implementation of `rlhf.learner.Backend` (data and tensor parallel; torch only).
+
+The role's ranks form a (dp, tp) mesh, tensor-parallel peers adjacent (ranks ``2k, 2k+1`` at
+``tp_size`` 2): with ``tp_size`` > 1 the model is first split by its own plan
+(`rlhf.molt.tensor_parallel`), then sharded over ``dp``; tensor-parallel peers run the same
+rows (the driver deals micro-batches per data-parallel coordinate, `dp_rank`).
 
 Each decoder layer (the classes a transformers model names in ``_no_split_modules``) is one
-FSDP2 unit, the rest of the model the root unit: a rank holds 1/world of every parameter,
-gradient and AdamW state (float32 masters; ``param_dtype`` is what a forward computes with,
-gradients are reduced in float32). The semantics are the DeepSpeed backend's, so the two are
-interchangeable step for step:
+FSDP2 unit, the rest of the model the root unit: a rank holds 1/dp of every parameter,
+gradient and AdamW state it keeps (float32 masters; ``param_dtype`` is what a forward computes
+with, gradients are reduced in float32). The semantics are the DeepSpeed backend's, so the two
+are interchangeable step for step:
 
 - one `train_micro_batches` call runs every micro-batch of this rank, then one optimizer step;
-  FSDP2 averages gradients over ranks, so each share is multiplied by the world size and the
-  gradient is that of the global loss the objectives' normaliser defines;
+  FSDP2 averages gradients over the data-parallel ranks, so each share is multiplied by
+  ``dp_size`` and the gradient is that of the global loss the objectives' normaliser defines;
 - every forward gathers and every backward reduces collectively, so all ranks run the same
   number of passes: a rank with fewer micro-batches repeats its first one with weight 0;
 - the gradient norm is taken over the whole model before clipping (no clipping at
-  ``grad_clip`` 0), then AdamW and the schedule of `rlhf.learner.optim` step.
+  ``grad_clip`` 0; one norm per mesh, combined), then AdamW and the schedule of
+  `rlhf.learner.optim` step.
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories in the shared checkpoint layout
 (``backend/`` beside the metadata `rlhf.learner.checkpoint` writes), the schedule as JSON, the
@@ -45,6 +51,7 @@ from rlhf.learner.forward import check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt.config import FSDPConfig
+from rlhf.molt.tensor_parallel import check_tensor_parallel, grad_norm_and_clip, parallelize
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SCHEDULE_FILE = "schedule.json"
@@ -99,6 +106,9 @@ class FSDPBackend:
     Args:
         config: The role. ``config.optimizer`` None makes it eval-only (reference, reward).
         fsdp: Sharding options (`FSDPConfig`; validated here).
+
+    ``rank``/``world_size`` are the process coordinates in the role's group, ``dp_rank``/
+    ``dp_size`` the data-parallel ones (``world_size / tp_size`` replicas).
     """
 
     def __init__(self, config: LearnerConfig, fsdp: FSDPConfig | None = None) -> None:
@@ -128,14 +138,20 @@ class FSDPBackend:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         model = load_model(config.model).to(self.device)
+        tp = self.fsdp.tp_size
+        check_tensor_parallel(model.config, tp_size=tp, world_size=self.world_size, flag="fsdp")
+        self.dp_size = self.world_size // tp
+        self.dp_rank = self.rank // tp
         compute = _DTYPES[self.fsdp.param_dtype]
         # A training role keeps float32 masters (forwards compute in param_dtype); an eval-only
         # role holds its weights in param_dtype.
         model = model.float() if config.optimizer is not None else model.to(compute)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mesh = init_device_mesh(self.device.type, (self.dp_size, tp), mesh_dim_names=("dp", "tp"))
+        if tp > 1:
+            model = parallelize(model, mesh["tp"], flag="fsdp")
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         options = {
-            "mesh": mesh,
+            "mesh": mesh["dp"],
             "mp_policy": policy,
             "reshard_after_forward": self.fsdp.reshard_after_forward,
         }
@@ -204,15 +220,15 @@ class FSDPBackend:
             batch = self._placed(micro_batches[i if real else 0])
             w = scale[i] if real else 0.0
             loss, metrics = objective(self._module, batch)
-            (loss * (w * self.world_size)).backward()
+            (loss * (w * self.dp_size)).backward()
             if real and w > 0:
                 loss_total += float(loss.detach()) * w
                 counted += 1
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-        params = [p for _, p in self._trainable() if p.grad is not None]
-        clip = self.config.optimizer.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        norm = grad_norm_and_clip(
+            (p for _, p in self._trainable()), self.config.optimizer.grad_clip
+        )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -223,7 +239,7 @@ class FSDPBackend:
                     self._ema[name].mul_(decay).add_(_local(param).float(), alpha=1 - decay)
         out = {k: v / max(counted, 1) for k, v in sums.items()}
         out["loss"] = loss_total
-        out["grad_norm"] = float(_full(norm))
+        out["grad_norm"] = float(norm)
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         self._module.eval()
         return out

@@ -17,8 +17,10 @@ class FSDPConfig:
     """How a role is sharded and computed with FSDP2 (names as Molt's ``--fsdp.*`` flags).
 
     Attributes:
-        tp_size: Tensor-parallel degree (1: data parallel only; larger degrees are refused
-            until tensor parallelism lands).
+        tp_size: Tensor-parallel degree: the model's linear layers split over this many
+            adjacent ranks by its own plan (``base_model_tp_plan``); it must divide the
+            role's ranks and the model's attention and key/value heads. The data-parallel
+            degree is ranks / tp_size.
         cp_size: Context-parallel degree (1; ring attention is GPU-only and not built yet).
         ep_size: Expert-parallel degree (reserved for MoE models; only 1).
         offload: ``none``; ``optimizer`` and ``full`` are refused until they land.
@@ -54,9 +56,14 @@ class FSDPConfig:
             value = getattr(self, name)
             if value < 1:
                 raise FSDPConfigError(f"--{flag}.{name} must be >= 1, got {value}")
-            if value != 1:
-                raise FSDPConfigError(
-                    f"--{flag}.{name} {value} is not available yet in the molt backend "
-                    "(data parallel only for now); set it to 1"
-                )
+        if self.cp_size != 1:
+            raise FSDPConfigError(
+                f"--{flag}.cp_size {self.cp_size} is not available yet in the molt backend "
+                "(context parallel needs GPU ring attention); set it to 1"
+            )
+        if self.ep_size != 1:
+            raise FSDPConfigError(
+                f"--{flag}.ep_size {self.ep_size} is reserved for mixture-of-experts models, "
+                "which the molt backend does not train yet; set it to 1"
+            )
         return self

@@ -1,0 +1,67 @@
+"""Configs, batches and reads shared by the molt backend's tests."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.learner import (
+    DeepSpeedConfig,
+    LearnerConfig,
+    ModelConfig,
+    OptimizerConfig,
+    collate,
+    sft_row,
+    token_logprobs,
+)
+
+
+def config(
+    path,
+    *,
+    kind: str = "causal_lm",
+    packing: bool = False,
+    chunked: bool = False,
+    lr: float = 1e-3,
+    eps: float = 1e-8,
+) -> LearnerConfig:
+    """One training role on ``path`` (AdamW, no clipping, ZeRO-2 for the DeepSpeed twin)."""
+    return LearnerConfig(
+        model=ModelConfig(
+            path=str(path), kind=kind, packing_samples=packing, chunked_lm_head=chunked
+        ),
+        optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, betas=(0.9, 0.95), eps=eps),
+        deepspeed=DeepSpeedConfig(zero_stage=2),
+    )
+
+
+def full_state(group) -> dict[str, torch.Tensor]:
+    return group.run(lambda backend: backend.state_dict_on_rank0())[0]
+
+
+def rl_batch(model, *, seed: int):
+    """Six rows of prompt + response with old/reference log-probs near the model's own."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, masks = [], []
+    for n_prompt, n_resp in [(3, 4), (5, 2), (2, 6), (4, 3), (3, 1), (6, 5)]:
+        rows.append(torch.randint(3, 200, (n_prompt + n_resp,), generator=gen).tolist())
+        masks.append([0] * n_prompt + [1] * n_resp)
+    batch = collate(rows, pad_token_id=0, per_token={"action_mask": masks})
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    m = batch["action_mask"]
+    batch.fields["old_logprobs"] = lp + torch.randn(lp.shape, generator=gen) * 0.3 * m
+    batch.fields["ref_logprobs"] = lp + torch.randn(lp.shape, generator=gen) * 0.2 * m
+    batch.fields["advantages"] = torch.randn(lp.shape, generator=gen) * m
+    return batch
+
+
+def sft_batch(tokenizer, n: int = 6):
+    rows = [
+        sft_row({"input": f"what is {i} plus {i}?", "output": str(2 * i)}, i, tokenizer)
+        for i in range(n)
+    ]
+    return collate(
+        [r.input_ids for r in rows],
+        pad_token_id=tokenizer.pad_token_id,
+        per_token={"loss_mask": [r.loss_mask for r in rows]},
+    )

@@ -1,0 +1,161 @@
+"""Tensor parallelism in the FSDP2 backend (Ray actors, gloo): TP=2 and a 2×2 data × tensor
+parallel mesh take the same step as one process (actor and critic), the tied embedding stays
+tied, a TP=2 checkpoint resumes on 2 data-parallel ranks, and models that cannot be split are
+refused naming the flag.
+
+Parameters are compared after one AdamW step with ``eps`` 1: the first step moves a weight by
+``lr * g / (|g| + eps)``, so a gradient that differs by d (summation order of the split
+matmuls, ~1e-7) moves it by at most ``lr * d``; with the default ``eps`` the update is
+``lr * sign(g)`` and tiny gradients turn rounding into 1e-5 differences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from transformers import AutoConfig, Qwen2ForCausalLM
+
+from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
+from rlhf.learner import CriticObjective, LearnerGroup, ModelConfig, PPOActorObjective, load_model
+from rlhf.learner.optim import build_optimizer
+from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
+from rlhf.molt.tensor_parallel import check_tensor_parallel
+
+from .molt_cases import config, full_state, rl_batch
+
+TP2 = functools.partial(FSDPBackend, fsdp=FSDPConfig(tp_size=2))
+LR, EPS = 0.1, 1.0
+
+
+@pytest.fixture(scope="module")
+def groups(ray_cluster):
+    made = {ranks: LearnerGroup(num_ranks=ranks, num_cpus_per_rank=0.5) for ranks in (2, 4)}
+    yield made
+    for g in made.values():
+        g.shutdown()
+
+
+def _layout(backend) -> dict[str, object]:
+    """What one rank holds: tied head, parameter count, the meshes of a split layer and a
+    norm."""
+    model = backend.module
+    layer = model.model.layers[0]
+    return {
+        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+        "params": len(list(model.named_parameters())),
+        "q_proj": layer.self_attn.q_proj.weight.device_mesh.mesh_dim_names,
+        "norm": layer.input_layernorm.weight.device_mesh.mesh_dim_names,
+        "dp": (backend.dp_rank, backend.dp_size),
+    }
+
+
+@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "dp2xtp2"])
+def test_tensor_parallel_step_equals_one_process(groups, tiny_tp, ranks) -> None:
+    """3 micro-batches over dp 1 (TP=2) or dp 2 (one padded pass) with the gradient clipped
+    to half its norm: loss, gradient norm and every parameter equal one full-batch step."""
+    model = Qwen2ForCausalLM.from_pretrained(tiny_tp, dtype=torch.float32)
+    batch = rl_batch(model, seed=5)
+    algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
+    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
+    objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
+    loss, _ = objective(model, batch)
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
+    cfg = config(tiny_tp, lr=LR, eps=EPS)
+    cfg = dataclasses.replace(
+        cfg, optimizer=dataclasses.replace(cfg.optimizer, grad_clip=grad_norm / 2)
+    )
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_norm / 2)
+    optimizer.step()
+    scheduler.step()
+
+    group = groups[ranks]
+    group.build(cfg, backend=TP2)
+    dp = ranks // 2
+    layouts = group.run(_layout)
+    assert [lay["dp"] for lay in layouts] == [(r // 2, dp) for r in range(ranks)]
+    for lay in layouts:
+        assert lay["tied"] and lay["params"] == len(list(model.named_parameters()))
+        assert lay["q_proj"] == ("dp", "tp") and lay["norm"] == ("dp",)
+    assert len(group.split(batch, max_rows=2)) == dp
+    out = group.train_step(batch, objective, max_rows=2)
+    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    state = full_state(group)
+    assert state.keys() == dict(model.named_parameters()).keys()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(state[name], param.detach(), rtol=0, atol=LR * 1e-5)
+
+
+def test_tensor_parallel_critic_equals_one_process(groups, tiny_tp) -> None:
+    """The scalar head stays whole on both ranks; the split decoder under it gives the same
+    loss and gradient norm as one process."""
+    ref = load_model(ModelConfig(path=str(tiny_tp), kind="scalar"))
+    gen = torch.Generator().manual_seed(6)
+    batch = rl_batch(Qwen2ForCausalLM.from_pretrained(tiny_tp, dtype=torch.float32), seed=7)
+    m = batch["action_mask"]
+    batch.fields["old_values"] = torch.randn(m.shape, generator=gen) * m * 0.5
+    batch.fields["returns"] = torch.randn(m.shape, generator=gen) * m
+    algo = AlgoConfig(value_clip=0.2, loss_agg_mode="seq-mean-token-mean")
+    objective = CriticObjective(
+        algo=algo, normalizer=float(loss_normalizer(m, mode="seq-mean-token-mean"))
+    )
+    loss, _ = objective(ref, batch)
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in ref.parameters() if p.grad is not None))
+    groups[2].build(config(tiny_tp, kind="scalar"), backend=TP2)
+    out = groups[2].train_step(batch, objective, max_rows=2)
+    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
+
+
+def test_a_tensor_parallel_checkpoint_resumes_data_parallel(groups, tiny_tp, tmp_path) -> None:
+    """DCP reshards on load: a TP=2 checkpoint loads into 2 data-parallel ranks bit for bit,
+    and the next step there equals the TP=2 run's next step."""
+    model = Qwen2ForCausalLM.from_pretrained(tiny_tp, dtype=torch.float32)
+    batch = rl_batch(model, seed=8)
+    objective = PPOActorObjective(
+        algo=AlgoConfig(), normalizer=float(batch["action_mask"].sum()), kl_coef=0.0
+    )
+    cfg = config(tiny_tp, lr=LR, eps=EPS)
+    tp, dp = groups[2], LearnerGroup(num_ranks=2, num_cpus_per_rank=0.5)
+    try:
+        tp.build(cfg, backend=TP2)
+        tp.train_step(batch, objective, max_rows=3)
+        saved = full_state(tp)
+        path = tp.save(str(tmp_path), 1, client_state={"step": 1})
+        expected = tp.train_step(batch, objective, max_rows=3)
+        expected_state = full_state(tp)
+        dp.build(cfg, backend=functools.partial(FSDPBackend, fsdp=FSDPConfig()))
+        assert dp.load(path) == {"step": 1}
+        loaded = full_state(dp)
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+        got = dp.train_step(batch, objective, max_rows=3)
+        state = full_state(dp)
+    finally:
+        dp.shutdown()
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert got["lr"] == expected["lr"]
+    for name, tensor in expected_state.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=LR * 1e-5)
+
+
+def test_models_that_cannot_be_split_are_refused_by_flag(tiny, tiny_tp) -> None:
+    one_kv_head = AutoConfig.from_pretrained(tiny)
+    with pytest.raises(
+        FSDPConfigError, match=r"--actor.fsdp.tp_size 2 .*num_key_value_heads \(1\)"
+    ):
+        check_tensor_parallel(one_kv_head, tp_size=2, world_size=2, flag="actor.fsdp")
+    four_heads = AutoConfig.from_pretrained(tiny_tp)
+    with pytest.raises(FSDPConfigError, match=r"--actor.fsdp.tp_size 4 .*num_key_value_heads"):
+        check_tensor_parallel(four_heads, tp_size=4, world_size=4, flag="actor.fsdp")
+    with pytest.raises(FSDPConfigError, match=r"tp_size 2 must divide the role's 3 rank"):
+        check_tensor_parallel(four_heads, tp_size=2, world_size=3, flag="actor.fsdp")
+    four_heads.base_model_tp_plan = None
+    with pytest.raises(FSDPConfigError, match="carries no tensor-parallel plan"):
+        check_tensor_parallel(four_heads, tp_size=2, world_size=2, flag="actor.fsdp")
+    check_tensor_parallel(one_kv_head, tp_size=1, world_size=3, flag="actor.fsdp")

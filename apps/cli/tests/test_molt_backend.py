@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from .conftest import rlhf, small_run
 
@@ -70,6 +71,33 @@ def test_grpo_trains_and_syncs_with_a_tensor_parallel_actor(assets, tmp_path) ->
     ]
 
 
+@pytest.mark.parametrize("backend", ["deepspeed", "molt"])
+def test_a_lora_actor_trains_and_syncs_merged_weights(assets, tmp_path, backend) -> None:
+    """``--actor.model.lora_rank``: only the adapters train, every sync carries the base
+    weights with the adapters merged in (the engine verifies each one), and the final export
+    is a plain transformers model."""
+    out = rlhf(
+        "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=2),
+        "--actor.backend", backend, "--actor.num_ranks", "2",
+        "--actor.model.lora_rank", "4", "--actor.model.lora_alpha", "8",
+        "--actor.optimizer.lr", "1e-2", "--vllm.verify_sync", "full",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = _steps(tmp_path)
+    assert sorted(steps) == [1, 2] and all(r["actor/grad_norm"] > 0 for r in steps.values())
+    assert json.loads((tmp_path / "sync.json").read_text())["engines_loaded"] == [
+        {"shared_memory": 2}
+    ]
+    from safetensors import safe_open
+
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with safe_open(str(tmp_path / "final" / "model.safetensors"), "pt") as f:
+        names, trained = set(f.keys()), f.get_tensor(q)
+    with safe_open(str(assets["model"] / "model.safetensors"), "pt") as f:
+        assert names == set(f.keys())  # merged: no adapter tensors, the base's names
+        assert not torch.equal(trained, f.get_tensor(q))  # with the trained adapters in
+
+
 def test_sft_trains_on_fsdp2(assets, tmp_path) -> None:
     out = rlhf(
         "train", "sft", "--run_dir", str(tmp_path), "--dataset", str(assets["sft"]),
@@ -105,8 +133,11 @@ def test_sft_trains_on_fsdp2(assets, tmp_path) -> None:
             "--actor.fsdp.param_dtype must be one of",
         ),
         (
-            ["--actor.backend", "molt", "--actor.model.lora_rank", "4"],
-            "--actor.model.lora_rank: LoRA runs on --actor.backend deepspeed",
+            [
+                *("--actor.backend", "molt", "--actor.model.lora_rank", "4"),
+                *("--actor.fsdp.tp_size", "2", "--actor.num_ranks", "2"),
+            ],
+            "--actor.model.lora_rank with --actor.fsdp.tp_size 2: LoRA adapters are not split",
         ),
         (
             ["--actor.backend", "molt", "--actor.model.chunked_lm_head", "True"],

@@ -16,6 +16,7 @@ from rlhf.learner import (
     CheckpointError,
     CriticObjective,
     DeepSpeedBackend,
+    DeepSpeedConfig,
     DPOObjective,
     LearnerConfig,
     LearnerGroup,
@@ -194,8 +195,9 @@ def test_options_not_available_are_refused_by_flag(group, tiny) -> None:
     lora = LearnerConfig(
         model=ModelConfig(path=str(tiny), lora_rank=4), optimizer=OptimizerConfig(lr=1e-3)
     )
-    with pytest.raises(ValueError, match="model.lora_rank: LoRA is not available yet"):
-        group.build(lora, backend=MOLT)
+    tp2 = functools.partial(FSDPBackend, fsdp=FSDPConfig(tp_size=2))
+    with pytest.raises(FSDPConfigError, match="--fsdp.tp_size with model.lora_rank"):
+        group.build(lora, backend=tp2)
     with pytest.raises(ValueError, match="model.chunked_lm_head: not available yet"):
         group.build(config(tiny, chunked=True), backend=MOLT)
     group.build(config(tiny), backend=MOLT)
@@ -295,3 +297,54 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(group, tiny, tokenizer, tmp_p
     assert got["lr"] == expected["lr"]
     for name, tensor in expected_state.items():
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=2e-6)
+
+
+def test_lora_trains_adapters_only_like_deepspeed_and_exports_merged(
+    group, tiny, tokenizer, tmp_path
+) -> None:
+    """LoRA on FSDP2: three steps equal DeepSpeed ZeRO-2's (losses, gradient norms, merged
+    weights), only adapters change, and the merged export computes the sharded model's
+    logits."""
+    cfg = LearnerConfig(
+        model=ModelConfig(path=str(tiny), lora_rank=4, lora_alpha=8),
+        optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0),
+        deepspeed=DeepSpeedConfig(zero_stage=2),
+    )
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+
+    def raw(backend):
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in backend.module.named_parameters()
+        }
+
+    results, merged = {}, {}
+    for name, backend in (("deepspeed", DeepSpeedBackend), ("molt", MOLT)):
+        fp = group.build(cfg, backend=backend)
+        assert any(".lora_A." in n for n in fp)
+        before = group.run(raw)[0]
+        results[name] = [group.train_step(batch, objective, max_rows=3) for _ in range(3)]
+        after = group.run(raw)[0]
+        changed = {n for n in before if not torch.equal(before[n], after[n])}
+        assert changed and all(".lora_" in n for n in changed), name  # the base stays frozen
+        merged[name] = full_state(group)
+    for a, b in zip(results["molt"], results["deepspeed"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert results["molt"][-1]["loss"] < results["molt"][0]["loss"]
+    original = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict()
+    assert merged["molt"].keys() == set(original) - {"lm_head.weight"}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged["molt"][q], original[q])  # the adapters are merged in
+    for name, tensor in merged["deepspeed"].items():
+        torch.testing.assert_close(merged["molt"][name], tensor, rtol=0, atol=2e-6)
+    group.export_hf(str(tmp_path / "merged"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    ours = group.forward(
+        batch, lambda m, b: m(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    )
+    with torch.no_grad():
+        theirs = exported.eval()(batch.input_ids, attention_mask=batch.attention_mask).logits
+    for rows, logits in ours:
+        torch.testing.assert_close(logits, theirs[rows, : logits.shape[1]], rtol=1e-4, atol=1e-4)

@@ -7,6 +7,7 @@ every rank's process; the concrete backends are imported only there and when cho
 from __future__ import annotations
 
 import functools
+import importlib.util
 import pathlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -44,17 +45,23 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
 
     if role.backend not in BACKENDS:
         return [f"--{flag}.backend must be one of {', '.join(BACKENDS)}, got {role.backend!r}"]
-    if role.backend != "molt":
-        return []
     problems = []
+    if role.model.lora_rank and importlib.util.find_spec("peft") is None:
+        problems.append(
+            f"--{flag}.model.lora_rank {role.model.lora_rank} needs PEFT, which is not "
+            "installed: pip install 'rlhf-cli[cpu]' (or 'rlhf-cli[gpu]', or peft itself)"
+        )
+    if role.backend != "molt":
+        return problems
     try:
         role.fsdp.validate(flag=f"{flag}.fsdp")
     except FSDPConfigError as exc:
         problems.append(str(exc))
     problems += _tensor_parallel_problems(role, flag=flag)
-    if role.model.lora_rank:
+    if role.model.lora_rank and role.fsdp.tp_size > 1:
         problems.append(
-            f"--{flag}.model.lora_rank: LoRA runs on --{flag}.backend deepspeed for now"
+            f"--{flag}.model.lora_rank with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: LoRA "
+            f"adapters are not split over tensor-parallel ranks yet; use tp_size 1 for LoRA"
         )
     if role.model.chunked_lm_head:
         problems.append(

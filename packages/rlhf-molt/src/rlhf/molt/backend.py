@@ -50,7 +50,7 @@ from rlhf.learner.export import write_hf_export
 from rlhf.learner.forward import check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
-from rlhf.molt.config import FSDPConfig
+from rlhf.molt.config import FSDPConfig, FSDPConfigError
 from rlhf.molt.tensor_parallel import check_tensor_parallel, grad_norm_and_clip, parallelize
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -116,10 +116,10 @@ class FSDPBackend:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.fsdp = (fsdp or FSDPConfig()).validate()
-        if config.model.lora_rank:
-            raise ValueError(
-                "model.lora_rank: LoRA is not available yet in the molt backend; train LoRA "
-                "with the deepspeed backend"
+        if config.model.lora_rank and self.fsdp.tp_size > 1:
+            raise FSDPConfigError(
+                "--fsdp.tp_size with model.lora_rank: LoRA adapters are not split over "
+                "tensor-parallel ranks yet; use tp_size 1 (data parallel) for LoRA"
             )
         if config.model.chunked_lm_head:
             raise ValueError(

@@ -53,11 +53,12 @@ def test_ppo_trains_syncs_and_resumes_on_fsdp2(assets, tmp_path) -> None:
 
 def test_grpo_trains_and_syncs_with_a_tensor_parallel_actor(assets, tmp_path) -> None:
     """The actor split over 2 tensor-parallel ranks (the demo model's 4 heads and 2 key/value
-    heads split 2 ways), the reference likewise: it trains, and every sync gathers whole
-    weights the engine verifies one by one."""
+    heads split 2 ways) with AdamW on the host, the reference likewise split: it trains, and
+    every sync gathers whole weights the engine verifies one by one."""
     out = rlhf(
         "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=2),
         "--actor.backend", "molt", "--actor.fsdp.tp_size", "2", "--actor.num_ranks", "2",
+        "--actor.fsdp.offload", "optimizer",
         "--algo.kl.init_coef", "0.01", "--vllm.verify_sync", "full",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]

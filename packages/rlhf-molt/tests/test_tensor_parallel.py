@@ -52,10 +52,15 @@ def _layout(backend) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "dp2xtp2"])
-def test_tensor_parallel_step_equals_one_process(groups, tiny_tp, ranks) -> None:
+@pytest.mark.parametrize(
+    ("ranks", "offload"),
+    [(2, "none"), (4, "none"), (4, "optimizer")],
+    ids=["tp2", "dp2xtp2", "dp2xtp2-host-adamw"],
+)
+def test_tensor_parallel_step_equals_one_process(groups, tiny_tp, ranks, offload) -> None:
     """3 micro-batches over dp 1 (TP=2) or dp 2 (one padded pass) with the gradient clipped
-    to half its norm: loss, gradient norm and every parameter equal one full-batch step."""
+    to half its norm, AdamW on the device or on the host: loss, gradient norm and every
+    parameter equal one full-batch step."""
     model = Qwen2ForCausalLM.from_pretrained(tiny_tp, dtype=torch.float32)
     batch = rl_batch(model, seed=5)
     algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
@@ -74,7 +79,9 @@ def test_tensor_parallel_step_equals_one_process(groups, tiny_tp, ranks) -> None
     scheduler.step()
 
     group = groups[ranks]
-    group.build(cfg, backend=TP2)
+    group.build(
+        cfg, backend=functools.partial(FSDPBackend, fsdp=FSDPConfig(tp_size=2, offload=offload))
+    )
     dp = ranks // 2
     layouts = group.run(_layout)
     assert [lay["dp"] for lay in layouts] == [(r // 2, dp) for r in range(ranks)]

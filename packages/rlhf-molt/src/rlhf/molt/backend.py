@@ -51,6 +51,7 @@ from rlhf.learner.forward import check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt.config import FSDPConfig, FSDPConfigError
+from rlhf.molt.offload import HostAdamW
 from rlhf.molt.tensor_parallel import check_tensor_parallel, grad_norm_and_clip, parallelize
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -113,7 +114,7 @@ class FSDPBackend:
 
     def __init__(self, config: LearnerConfig, fsdp: FSDPConfig | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         self.fsdp = (fsdp or FSDPConfig()).validate()
         if config.model.lora_rank and self.fsdp.tp_size > 1:
@@ -137,7 +138,10 @@ class FSDPBackend:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        model = load_model(config.model).to(self.device)
+        model = load_model(config.model)
+        # Fully offloaded shards live on the host; FSDP2 gathers them onto the device.
+        if self.fsdp.offload != "full":
+            model = model.to(self.device)
         tp = self.fsdp.tp_size
         check_tensor_parallel(model.config, tp_size=tp, world_size=self.world_size, flag="fsdp")
         self.dp_size = self.world_size // tp
@@ -155,6 +159,8 @@ class FSDPBackend:
             "mp_policy": policy,
             "reshard_after_forward": self.fsdp.reshard_after_forward,
         }
+        if self.fsdp.offload == "full":
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         layers = _layer_classes(model)
         for module in list(model.modules()):
             if type(module).__name__ in layers:
@@ -163,7 +169,10 @@ class FSDPBackend:
         self._module: torch.nn.Module = model
         self.optimizer: Any = None
         self.scheduler: Any = None
-        if config.optimizer is not None:
+        if config.optimizer is not None and self.fsdp.offload == "optimizer":
+            self.optimizer = HostAdamW(list(self._trainable()), config.optimizer)
+            self.scheduler = self.optimizer.scheduler
+        elif config.optimizer is not None:
             self.optimizer, self.scheduler = build_optimizer(model, config.optimizer)
         model.eval()
         if config.model.packing_samples:
@@ -277,9 +286,15 @@ class FSDPBackend:
         """Parameter names → full shapes (a DTensor's shape is the global one)."""
         return fingerprint(self._module)
 
-    def _dcp_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def _dcp_state(self, *, to_load: bool = False) -> dict[str, Any]:
+        """The DCP state: model and optimizer shards in `get_state_dict`'s layout (also with
+        the optimizer on the host; ``to_load``: the parts a load fills)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        if isinstance(self.optimizer, HostAdamW):
+            host = self.optimizer
+            optim = host.empty_state() if to_load else host.state_dict()
+            return {"model": get_model_state_dict(self._module), "optim": optim}
         model, optim = get_state_dict(self._module, self.optimizer)
         return {"model": model, "optim": optim}
 
@@ -303,7 +318,7 @@ class FSDPBackend:
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Validate ``directory`` against this model, then restore everything
         `save_checkpoint` wrote; returns the driver's trainer state."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
 
         state = ckpt.validate(directory, self.fingerprint())
@@ -316,16 +331,21 @@ class FSDPBackend:
                 "by another backend (resume it with that backend, e.g. --actor.backend "
                 "deepspeed) or is incomplete"
             )
-        loaded = self._dcp_state()
+        loaded = self._dcp_state(to_load=True)
         load(loaded, checkpoint_id=str(backend))
-        set_state_dict(
-            self._module,
-            self.optimizer,
-            model_state_dict=loaded["model"],
-            optim_state_dict=loaded["optim"],
-        )
         schedule = json.loads((backend / _SCHEDULE_FILE).read_text())
-        self.scheduler.load_state_dict(schedule["scheduler"])
+        if isinstance(self.optimizer, HostAdamW):
+            set_model_state_dict(self._module, loaded["model"])
+            self.scheduler.load_state_dict(schedule["scheduler"])
+            self.optimizer.load(loaded["optim"])
+        else:
+            set_state_dict(
+                self._module,
+                self.optimizer,
+                model_state_dict=loaded["model"],
+                optim_state_dict=loaded["optim"],
+            )
+            self.scheduler.load_state_dict(schedule["scheduler"])
         ckpt.restore_rank_rng(directory, self.rank)
         if self._ema is not None:
             file = pathlib.Path(directory) / "ema" / f"rank-{self.rank}.pt"

@@ -23,7 +23,10 @@ class FSDPConfig:
             degree is ranks / tp_size.
         cp_size: Context-parallel degree (1; ring attention is GPU-only and not built yet).
         ep_size: Expert-parallel degree (reserved for MoE models; only 1).
-        offload: ``none``; ``optimizer`` and ``full`` are refused until they land.
+        offload: ``none`` (everything on the device); ``optimizer`` (AdamW and float32
+            masters on the host, `rlhf.molt.offload`); ``full`` (FSDP2's CPU offload: the
+            shards, their gradients and the optimizer on the host, gathered onto the device
+            per layer for compute).
         param_dtype: Dtype of the gathered parameters a forward computes with; master
             weights, gradients' reduction and the optimizer stay float32.
         reshard_after_forward: Free each layer's gathered parameters after its forward (less
@@ -46,11 +49,6 @@ class FSDPConfig:
         if self.offload not in OFFLOAD_LEVELS:
             raise FSDPConfigError(
                 f"--{flag}.offload must be one of {OFFLOAD_LEVELS}, got {self.offload!r}"
-            )
-        if self.offload != "none":
-            raise FSDPConfigError(
-                f"--{flag}.offload {self.offload} is not available yet in the molt backend; "
-                "use none, or the deepspeed backend's offload_optimizer / offload_params"
             )
         for name in ("tp_size", "cp_size", "ep_size"):
             value = getattr(self, name)

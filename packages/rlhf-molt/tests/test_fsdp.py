@@ -199,9 +199,6 @@ def test_options_not_available_are_refused_by_flag(group, tiny) -> None:
         group.build(lora, backend=tp2)
     with pytest.raises(ValueError, match="model.chunked_lm_head: not available yet"):
         group.build(config(tiny, chunked=True), backend=MOLT)
-    group.build(config(tiny), backend=MOLT)
-    with pytest.raises(RuntimeError, match="cannot move its states off the device yet"):
-        group.offload_states()
 
 
 def test_ema_of_the_shards_follows_the_weights_and_survives_a_checkpoint(

@@ -1,5 +1,6 @@
 """``--actor.fsdp.offload optimizer|full`` on 2 ranks (Ray actors, gloo): the same steps as
-everything on the device, and checkpoints that resume with the optimizer offloaded or not.
+everything on the device, and checkpoints that resume with the optimizer offloaded or not;
+hybrid turn-taking's `offload_states` / `reload_states` round trip between steps.
 
 On a CPU machine host and device are one, so the numbers cannot differ by placement; these
 tests pin down the bookkeeping: gradient shards reach the host masters, updated masters reach
@@ -79,3 +80,31 @@ def test_an_offloaded_optimizer_checkpoint_resumes_with_or_without_offload(
             assert got[0] == expected[0], (writer, reader)
             for name, tensor in expected[1].items():
                 assert torch.equal(got[1][name], tensor), (writer, reader, name)
+
+
+@pytest.mark.parametrize(
+    ("offload", "moved"),
+    [("none", ["optimizer", "weights"]), ("optimizer", ["weights"]), ("full", [])],
+)
+def test_states_moved_aside_between_steps_come_back_unchanged(
+    group, tiny, tokenizer, offload, moved
+) -> None:
+    """Hybrid turn-taking: between two steps the states leave the device (twice: idempotent)
+    and come back; the second step equals the one taken without the round trip. What already
+    lives on the host (the optimizer under ``optimizer``, everything under ``full``) stays."""
+    batch = sft_batch(tokenizer)
+    group.build(_config(tiny), backend=molt(offload))
+    expected = (_steps(group, batch, 2), full_state(group))
+    group.build(_config(tiny), backend=molt(offload))
+    first = _steps(group, batch, 1)
+    group.offload_states(weights=False)
+    assert group.run(lambda b: b.offloaded_states()) == [[m for m in moved if m != "weights"]] * 2
+    group.offload_states(weights=True)
+    group.offload_states(weights=True)
+    assert group.run(lambda b: b.offloaded_states()) == [moved] * 2
+    group.reload_states()
+    assert group.run(lambda b: b.offloaded_states()) == [[], []]
+    got = (first + _steps(group, batch, 1), full_state(group))
+    assert got[0] == expected[0]
+    for name, tensor in expected[1].items():
+        assert torch.equal(got[1][name], tensor), name

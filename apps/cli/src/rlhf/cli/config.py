@@ -198,10 +198,10 @@ class TrainConfig:
             optimizer states, fp32 master weights and gradient partitions leave the device
             for the weight sync, and their model weights too while the engines generate
             (`rlhf.cli.hybrid`; OpenRLHF's ``--deepspeed_enable_sleep``). None (default):
-            on GPUs when both roles run ZeRO-1/2 and memory requires it (the GPU's free
+            on GPUs when both roles run ZeRO-1/2 or molt and memory requires it (the GPU's free
             memory with every role started, less the optimizer states the first step adds,
             under 5 % of the device; the plan prints the numbers); True: always
-            (needs ZeRO-1/2; on a CPU machine the states make the round trip in host memory,
+            (needs ZeRO-1/2 or molt; on a CPU machine the states make the round trip in host memory,
             which frees nothing and costs time); False: never.
         ref_reward_offload: Build the reference and the reward model with ZeRO-3 and their
             parameters offloaded to the CPU between uses (OpenRLHF's ``--ref_reward_offload``).
@@ -417,8 +417,9 @@ class RLConfig:
             (
                 self.train.deepspeed_enable_sleep is True and not self._offloadable_stages,
                 "--train.deepspeed_enable_sleep True offloads the learners' states between "
-                "phases, which DeepSpeed does for ZeRO-1/2: set --actor.deepspeed.zero_stage "
-                "(and --critic.deepspeed.zero_stage) to 1 or 2, or leave the flag unset",
+                "phases, which DeepSpeed does for ZeRO-1/2 (and the molt backend always): set "
+                "--actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1 or 2, "
+                "or leave the flag unset",
             ),
             (
                 self.train.deepspeed_enable_sleep is True and not self.train.colocate_all,
@@ -460,11 +461,6 @@ class RLConfig:
             problems = role_problems(role, flag=flag)
             if problems:
                 raise ConfigError("; ".join(problems))
-            if role.backend == "molt" and self.train.deepspeed_enable_sleep is True:
-                raise ConfigError(
-                    f"--train.deepspeed_enable_sleep True moves DeepSpeed states; --{flag}."
-                    "backend molt keeps its states on the device: leave the flag unset"
-                )
 
     def model_dirs(self) -> list[str]:
         """Every model directory the run loads (checked before anything starts)."""
@@ -486,7 +482,7 @@ class RLConfig:
     @property
     def _offloadable_stages(self) -> bool:
         return all(
-            role.backend == "deepspeed" and role.deepspeed.zero_stage in (1, 2)
+            role.backend == "molt" or role.deepspeed.zero_stage in (1, 2)
             for role in self.trained_roles
         )
 

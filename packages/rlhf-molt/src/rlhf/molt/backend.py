@@ -177,6 +177,7 @@ class FSDPBackend:
         model.eval()
         if config.model.packing_samples:
             check_packing(model, device=self.device, flag="model.packing_samples")
+        self._offloaded: set[str] = set()  # states offload_states moved to the host
         self._ema: dict[str, Tensor] | None = None
         if config.optimizer is not None and config.optimizer.ema_decay is not None:
             self._ema = {n: _local(p).detach().float().clone() for n, p in self._trainable()}
@@ -270,16 +271,53 @@ class FSDPBackend:
 
     # -- hybrid placement ----------------------------------------------------------------
     def offload_states(self, *, weights: bool = True) -> dict[str, float]:
-        """Not available yet: refused with what to use instead."""
-        raise RuntimeError(
-            "the molt backend cannot move its states off the device yet; for hybrid "
-            "turn-taking with learner offload use the deepspeed backend (or "
-            "--train.deepspeed_enable_sleep False)"
-        )
+        """Move this rank's AdamW moments (and with ``weights`` its parameter shards) to host
+        memory, so colocated vLLM engines can use the device; `reload_states` brings them
+        back before the next forward. What already lives on the host stays (the optimizer
+        under ``offload optimizer``, everything under ``offload full``); gradients are
+        already freed after each step. Idempotent per state.
+
+        Returns:
+            ``allocated_gib_before`` / ``allocated_gib_after``: this process's CUDA
+            allocations (0 on CPU).
+        """
+        if self.optimizer is None:
+            raise RuntimeError(
+                "offload_states needs a training role (an optimizer); an eval-only role keeps "
+                "its weights"
+            )
+        before = _allocated_gib(self.device)
+        on_device = self.fsdp.offload == "none"  # the optimizer state; the weights unless full
+        if on_device and "optimizer" not in self._offloaded:
+            self._move_optimizer_state(torch.device("cpu"))
+            self._offloaded.add("optimizer")
+        if weights and "weights" not in self._offloaded and self.fsdp.offload != "full":
+            self._module.to("cpu")
+            self._offloaded.add("weights")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"allocated_gib_before": before, "allocated_gib_after": _allocated_gib(self.device)}
 
     def reload_states(self) -> dict[str, float]:
-        """Not available yet (see `offload_states`)."""
-        return self.offload_states()
+        """Undo `offload_states` (every state it moved); same return value."""
+        before = _allocated_gib(self.device)
+        if "weights" in self._offloaded:
+            self._module.to(self.device)
+        if "optimizer" in self._offloaded:
+            self._move_optimizer_state(self.device)
+        self._offloaded.clear()
+        return {"allocated_gib_before": before, "allocated_gib_after": _allocated_gib(self.device)}
+
+    def offloaded_states(self) -> list[str]:
+        """The states now off the device (``optimizer``, ``weights``)."""
+        return sorted(self._offloaded)
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # AdamW's step counters live on the host already.
+                if isinstance(value, Tensor) and key != "step":
+                    state[key] = value.to(device)
 
     # -- checkpoints and export ----------------------------------------------------------
     def fingerprint(self) -> dict[str, list[int]]:
@@ -404,6 +442,10 @@ class FSDPBackend:
         self.scheduler = None
         self._module = None  # type: ignore[assignment]
         gc.collect()
+
+
+def _allocated_gib(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
 def _to_cpu(value: Any) -> Any:

@@ -1,0 +1,184 @@
+"""The FSDP2 backend (`rlhf.molt`) side by side with the DeepSpeed backend, in one invocation.
+
+1. Actor step: `FSDPBackend` and `DeepSpeedBackend` (ZeRO-2) in this process, one rank each, on
+   the same model, PPO batch and micro-batches, alternating rounds; bf16 compute with float32
+   masters on both (``param_dtype bfloat16`` / ``deepspeed.bf16``) on a GPU, float32 on CPU.
+   Reports seconds per step, tokens/s, MFU on the H200 (the model FLOPs of
+   ``bench_learner.step_flops``) and ``ratio_fsdp_over_deepspeed`` (tokens/s).
+2. Memory ladder (GPU): each configuration in a fresh subprocess — DeepSpeed ZeRO-2 and
+   molt with ``offload none|optimizer|full`` — builds, takes two steps and reports the peak
+   and the resident CUDA allocation after a step, and the allocation after
+   `offload_states(weights=True)` (what hybrid turn-taking leaves on the device).
+
+Usage: python benchmarks/bench_molt.py [--json out.json] [--size tiny|0.5B|1.5B]
+       [--rounds 5] [--micro-rows 2] [--no-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from bench_learner import H200_BF16_DENSE_FLOPS, SCALES, SHAPE, make_model, rl_batch, step_flops
+
+SHAPES = {"tiny": SHAPE, **SCALES}
+MODES = ("deepspeed", "molt-none", "molt-optimizer", "molt-full")
+
+
+def _setup(model_dir: pathlib.Path, mode: str, *, gpu: bool) -> Any:
+    """One backend (rank 0 of 1) of ``mode``."""
+    from rlhf.learner import (
+        DeepSpeedBackend,
+        DeepSpeedConfig,
+        LearnerConfig,
+        ModelConfig,
+        OptimizerConfig,
+    )
+    from rlhf.molt import FSDPBackend, FSDPConfig, init_distributed
+
+    init_distributed()  # one process group for both backends
+    config = LearnerConfig(
+        model=ModelConfig(path=str(model_dir)),
+        optimizer=OptimizerConfig(lr=1e-6, grad_clip=1.0),
+        deepspeed=DeepSpeedConfig(zero_stage=2, bf16=gpu),
+    )
+    if mode == "deepspeed":
+        return DeepSpeedBackend(config)
+    offload = mode.removeprefix("molt-")
+    fsdp = FSDPConfig(param_dtype="bfloat16" if gpu else "float32", offload=offload)
+    return functools.partial(FSDPBackend, fsdp=fsdp)(config)
+
+
+def _work(shape: dict[str, int], *, rows: int, length: int, micro_rows: int, device: Any):
+    from rlhf.algos import AlgoConfig, loss_normalizer
+    from rlhf.learner import PPOActorObjective
+
+    batch = rl_batch(rows=rows, length=length, vocab=shape["vocab_size"])
+    micro = [
+        batch.select(range(i, min(i + micro_rows, rows))).to(device)
+        for i in range(0, rows, micro_rows)
+    ]
+    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
+    objective = PPOActorObjective(algo=AlgoConfig(), normalizer=norm, entropy_metric=False)
+    return micro, objective, int(batch.attention_mask.sum())
+
+
+def bench_step(
+    model_dir: pathlib.Path,
+    shape: dict[str, int],
+    *,
+    rounds: int,
+    rows: int,
+    length: int,
+    micro_rows: int,
+) -> dict[str, float]:
+    gpu = torch.cuda.is_available()
+    backends = {name: _setup(model_dir, name, gpu=gpu) for name in ("deepspeed", "molt-none")}
+    device = backends["deepspeed"].device
+    micro, objective, tokens = _work(
+        shape, rows=rows, length=length, micro_rows=micro_rows, device=device
+    )
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in backends}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name in list(backends)[:: 1 if r % 2 else -1]:
+            start = time.perf_counter()
+            backends[name].train_micro_batches(micro, objective)
+            sync()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    flops = step_flops(shape, rows=rows, length=length)
+    out: dict[str, float] = {"tokens_per_step": float(tokens)}
+    for name, label in (("deepspeed", "deepspeed"), ("molt-none", "fsdp")):
+        s = statistics.median(times[name])
+        out[f"{label}_s_per_step"] = s
+        out[f"{label}_tokens_per_s"] = tokens / s
+        out[f"{label}_mfu_h200"] = flops / s / H200_BF16_DENSE_FLOPS
+    out["ratio_fsdp_over_deepspeed"] = out["fsdp_tokens_per_s"] / out["deepspeed_tokens_per_s"]
+    for backend in backends.values():
+        backend.close()
+    gc.collect()
+    return out
+
+
+def memory_child(model_dir: pathlib.Path, size: str, mode: str, micro_rows: int) -> None:
+    """Run in a fresh process: peak and resident CUDA memory of ``mode`` (GiB, one JSON
+    line)."""
+    backend = _setup(model_dir, mode, gpu=True)
+    micro, objective, _ = _work(
+        SHAPES[size], rows=8, length=2048, micro_rows=micro_rows, device=backend.device
+    )
+    gib = 2**30
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        backend.train_micro_batches(micro, objective)
+    torch.cuda.synchronize()
+    out = {
+        "peak_gib": torch.cuda.max_memory_allocated() / gib,
+        "resident_gib": torch.cuda.memory_allocated() / gib,
+    }
+    moved = backend.offload_states(weights=True)
+    out["after_offload_states_gib"] = moved["allocated_gib_after"]
+    print(json.dumps(out), flush=True)
+
+
+def bench_memory(model_dir: pathlib.Path, size: str, micro_rows: int) -> dict[str, Any]:
+    out = {}
+    for mode in MODES:
+        child = subprocess.run(
+            [sys.executable, __file__, "--memory-child", mode, "--model-dir", str(model_dir),
+             "--size", size, "--micro-rows", str(micro_rows)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if child.returncode:
+            out[mode] = {"error": child.stderr[-1500:]}
+        else:
+            out[mode] = json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"memory {mode}:", json.dumps(out[mode]), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=pathlib.Path)
+    parser.add_argument("--size", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--micro-rows", type=int, default=2)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=pathlib.Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        memory_child(args.model_dir, args.size, args.memory_child, args.micro_rows)
+        return
+    gpu = torch.cuda.is_available()
+    rows, length = (8, 2048) if gpu else (4, 128)
+    results: dict[str, Any] = {"device": "cuda" if gpu else "cpu", "size": args.size}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = pathlib.Path(tmp) / "model"
+        make_model(model_dir, SHAPES[args.size])
+        results["actor_step"] = bench_step(
+            model_dir, SHAPES[args.size], rounds=args.rounds, rows=rows, length=length,
+            micro_rows=args.micro_rows,
+        )  # fmt: skip
+        print("actor_step:", json.dumps(results["actor_step"]), flush=True)
+        if gpu and not args.no_memory:
+            results["memory"] = bench_memory(model_dir, args.size, args.micro_rows)
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

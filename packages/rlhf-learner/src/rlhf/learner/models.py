@@ -55,7 +55,7 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(config.path, **kwargs)
     else:
         model = AutoModelForTokenClassification.from_pretrained(config.path, num_labels=1, **kwargs)
-        has_head = any("score." in name for name in _checkpoint_names(pathlib.Path(config.path)))
+        has_head = any("score." in name for name in checkpoint_names(pathlib.Path(config.path)))
         if not has_head and config.init_value_head:
             with torch.no_grad():
                 model.score.weight.zero_()
@@ -128,7 +128,8 @@ def merged_parameters(
                 yield clean, param.detach()
 
 
-def _checkpoint_names(root: pathlib.Path) -> list[str]:
+def checkpoint_names(root: pathlib.Path) -> list[str]:
+    """The tensor names a checkpoint directory's ``*.safetensors`` files hold (headers only)."""
     import json
     import struct
 

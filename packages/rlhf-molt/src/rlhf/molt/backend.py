@@ -51,6 +51,7 @@ from rlhf.learner.forward import check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt.config import FSDPConfig, FSDPConfigError
+from rlhf.molt.loading import build_on_meta, materialize_and_load, sharded_loading_refused
 from rlhf.molt.offload import HostAdamW
 from rlhf.molt.tensor_parallel import check_tensor_parallel, grad_norm_and_clip, parallelize
 
@@ -138,18 +139,23 @@ class FSDPBackend:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        model = load_model(config.model)
+        compute = _DTYPES[self.fsdp.param_dtype]
+        # A training role keeps float32 masters (forwards compute in param_dtype); an eval-only
+        # role holds its weights in param_dtype.
+        dtype = torch.float32 if config.optimizer is not None else compute
         # Fully offloaded shards live on the host; FSDP2 gathers them onto the device.
-        if self.fsdp.offload != "full":
-            model = model.to(self.device)
+        shard_device = torch.device("cpu") if self.fsdp.offload == "full" else self.device
+        refused = sharded_loading_refused(config.model)
+        model = None if refused else build_on_meta(config.model, dtype=dtype)
+        self.loading = "sharded" if model is not None else "whole"
+        """How the weights were read: ``sharded`` (meta-device build, each rank reads its
+        slices) or ``whole`` (the full model in every rank's memory, then sharded)."""
+        if model is None:
+            model = load_model(config.model).to(shard_device, dtype=dtype)
         tp = self.fsdp.tp_size
         check_tensor_parallel(model.config, tp_size=tp, world_size=self.world_size, flag="fsdp")
         self.dp_size = self.world_size // tp
         self.dp_rank = self.rank // tp
-        compute = _DTYPES[self.fsdp.param_dtype]
-        # A training role keeps float32 masters (forwards compute in param_dtype); an eval-only
-        # role holds its weights in param_dtype.
-        model = model.float() if config.optimizer is not None else model.to(compute)
         mesh = init_device_mesh(self.device.type, (self.dp_size, tp), mesh_dim_names=("dp", "tp"))
         if tp > 1:
             model = parallelize(model, mesh["tp"], flag="fsdp")
@@ -166,6 +172,10 @@ class FSDPBackend:
             if type(module).__name__ in layers:
                 fully_shard(module, **options)
         fully_shard(model, **options)
+        if self.loading == "sharded":
+            materialize_and_load(
+                model, path=config.model.path, device=shard_device, buffers_on=self.device
+            )
         self._module: torch.nn.Module = model
         self.optimizer: Any = None
         self.scheduler: Any = None

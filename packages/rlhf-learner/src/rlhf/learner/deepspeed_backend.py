@@ -18,11 +18,8 @@ Under ZeRO-3 the model is built under ``transformers.integrations.HfDeepSpeedCon
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
-import os
 import pathlib
-import socket
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +27,7 @@ import torch
 from torch import Tensor
 
 from rlhf.learner import checkpoint as ckpt
+from rlhf.learner import rank as shared
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
@@ -39,12 +37,6 @@ from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed() -> None:
     """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or make a
     single-process group when none is set (gloo on CPU, NCCL on GPUs)."""
@@ -52,14 +44,7 @@ def init_distributed() -> None:
 
     if torch.distributed.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
+    shared.default_process_env()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
@@ -104,12 +89,7 @@ class DeepSpeedBackend:
         self.config = config
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = (
-            torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-        )
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = shared.rank_device()
         torch.manual_seed(config.seed)
         self._ds_config = ds_config(config)
         self._hf_ds: Any = None
@@ -139,10 +119,16 @@ class DeepSpeedBackend:
             check_chunked_lm_head(self._runner(), device=self.device, flag="model.chunked_lm_head")
         self._ema: dict[str, Tensor] | None = None
         if config.optimizer is not None and config.optimizer.ema_decay is not None:
-            self._ema = {n: _local(p).detach().float().clone() for n, p in self._trainable()}
+            self._ema = shared.ema_init((n, _local(p)) for n, p in self._trainable())
 
     def _trainable(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return ((n, p) for n, p in self._module.named_parameters() if p.requires_grad)
+
+    def _placed(self, batch: Batch) -> Batch:
+        return shared.place(batch, self.config.model, self.device)
+
+    def _passes(self, count: int) -> int:
+        return shared.most_passes(count, world_size=self.world_size, device=self.device)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -151,24 +137,6 @@ class DeepSpeedBackend:
 
     def _runner(self) -> Any:
         return self.engine if self.engine is not None else self._module
-
-    def _placed(self, batch: Batch) -> Batch:
-        """``batch`` on this rank's device, carrying the model config's forward options
-        (padding-free packing, chunked lm_head) to the objectives' forward functions."""
-        model = self.config.model
-        return dataclasses.replace(
-            batch.to(self.device),
-            packing_samples=model.packing_samples,
-            chunked_lm_head=model.chunked_lm_head,
-        )
-
-    def _passes(self, count: int) -> int:
-        """Passes every rank must run: the most any rank has."""
-        if self.world_size == 1:
-            return count
-        n = torch.tensor([count], dtype=torch.long, device=self.device)
-        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
-        return int(n.item())
 
     # -- training ------------------------------------------------------------------------
     def train_micro_batches(
@@ -184,31 +152,23 @@ class DeepSpeedBackend:
             raise RuntimeError("this role is eval-only (no optimizer); it cannot train")
         if not micro_batches:
             raise ValueError("train_micro_batches needs at least one micro-batch on every rank")
-        scale = [1.0] * len(micro_batches) if weights is None else list(weights)
-        passes = self._passes(len(micro_batches))
-        self.engine.train()
-        loss_total = 0.0
-        sums: dict[str, float] = {}
-        counted = 0
-        for i in range(passes):
-            real = i < len(micro_batches)
-            batch = self._placed(micro_batches[i if real else 0])
-            w = scale[i] if real else 0.0
-            loss, metrics = objective(self.engine, batch)
-            self.engine.backward(loss * (w * self.world_size), scale_wrt_gas=False)
-            if real and w > 0:
-                loss_total += float(loss.detach()) * w
-                counted += 1
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-        self.engine.step()
-        if self._ema is not None:
-            decay = self.config.optimizer.ema_decay
-            with torch.no_grad():
-                for name, param in self._trainable():
-                    self._ema[name].mul_(decay).add_(_local(param).float(), alpha=1 - decay)
-        out = {k: v / max(counted, 1) for k, v in sums.items()}
-        out["loss"] = loss_total
+        engine = self.engine
+        engine.train()
+        out = shared.train_passes(
+            micro_batches,
+            objective,
+            runner=engine,
+            passes=self._passes(len(micro_batches)),
+            weights=weights,
+            placed=self._placed,
+            backward=lambda loss, w: engine.backward(
+                loss * (w * self.world_size), scale_wrt_gas=False
+            ),
+        )
+        engine.step()
+        decay = self.config.optimizer.ema_decay
+        if self._ema is not None and decay is not None:
+            shared.ema_update(self._ema, ((n, _local(p)) for n, p in self._trainable()), decay)
         norm = self.engine.get_global_grad_norm()
         out["grad_norm"] = float(norm) if norm is not None else float("nan")
         out["lr"] = float(self.engine.get_lr()[0])
@@ -219,17 +179,14 @@ class DeepSpeedBackend:
         """``fn(model, batch)`` per micro-batch, no gradient, eval mode; results on the CPU."""
         if not micro_batches:
             raise ValueError("forward_micro_batches needs at least one micro-batch on every rank")
-        passes = self._passes(len(micro_batches))
-        runner = self._runner()
         self._module.eval()
-        out = []
-        with torch.no_grad():
-            for i in range(passes):
-                batch = self._placed(micro_batches[min(i, len(micro_batches) - 1)])
-                result = fn(runner, batch)
-                if i < len(micro_batches):
-                    out.append(_to_cpu(result))
-        return out
+        return shared.forward_passes(
+            micro_batches,
+            fn,
+            runner=self._runner(),
+            passes=self._passes(len(micro_batches)),
+            placed=self._placed,
+        )
 
     # -- hybrid placement: states off the GPU while colocated engines generate ----------
     def offload_states(self, *, weights: bool = True) -> dict[str, float]:
@@ -252,20 +209,26 @@ class DeepSpeedBackend:
         include = [
             s for s in OffloadStateTypeEnum if weights or s != OffloadStateTypeEnum.lp_params
         ]
-        before = _allocated_gib(self.device)
+        before = shared.allocated_gib(self.device)
         engine.offload_states(
             include=include,
             device=OffloadDeviceEnum.cpu,
             pin_memory=self.device.type == "cuda",
         )
-        return {"allocated_gib_before": before, "allocated_gib_after": _allocated_gib(self.device)}
+        return {
+            "allocated_gib_before": before,
+            "allocated_gib_after": shared.allocated_gib(self.device),
+        }
 
     def reload_states(self) -> dict[str, float]:
         """Undo `offload_states` (every state it moved); same return value."""
         engine = self._offloadable()
-        before = _allocated_gib(self.device)
+        before = shared.allocated_gib(self.device)
         engine.reload_states()
-        return {"allocated_gib_before": before, "allocated_gib_after": _allocated_gib(self.device)}
+        return {
+            "allocated_gib_before": before,
+            "allocated_gib_after": shared.allocated_gib(self.device),
+        }
 
     def offloaded_states(self) -> list[str]:
         """Names of the states now off the device (DeepSpeed's ``OffloadStateTypeEnum``)."""
@@ -300,8 +263,7 @@ class DeepSpeedBackend:
         )
         ckpt.write_rank_rng(directory, self.rank)
         if self._ema is not None:
-            (pathlib.Path(directory) / "ema").mkdir(exist_ok=True)
-            torch.save(self._ema, pathlib.Path(directory) / "ema" / f"rank-{self.rank}.pt")
+            shared.save_ema(directory, self.rank, self._ema)
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Validate ``directory`` against this model, then restore everything
@@ -319,13 +281,7 @@ class DeepSpeedBackend:
             raise ckpt.CheckpointError(f"DeepSpeed found no engine state in {directory}/backend")
         ckpt.restore_rank_rng(directory, self.rank)
         if self._ema is not None:
-            file = pathlib.Path(directory) / "ema" / f"rank-{self.rank}.pt"
-            if not file.is_file():
-                raise ckpt.CheckpointError(
-                    f"checkpoint {directory} has no EMA weights; it was saved without "
-                    "optimizer.ema_decay"
-                )
-            self._ema = torch.load(file, weights_only=True)
+            self._ema = shared.load_ema(directory, self.rank)
         return state
 
     def named_full_parameters(self) -> Iterator[tuple[str, Tensor]]:
@@ -340,35 +296,12 @@ class DeepSpeedBackend:
 
         yield from merged_parameters(self._module, gather)
 
-    @contextlib.contextmanager
-    def _ema_weights(self) -> Iterator[None]:
-        """Swap the EMA into the (local shards of the) trainable weights while open."""
-        if self._ema is None:
-            raise RuntimeError("no EMA weights: set optimizer.ema_decay")
-        saved = {}
-        with torch.no_grad():
-            for name, param in self._trainable():
-                local = _local(param)
-                saved[name] = local.clone()
-                local.copy_(self._ema[name].to(local.dtype))
-                _release(param)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, param in self._trainable():
-                    _local(param).copy_(saved[name])
-                    _release(param)
-
     def state_dict_on_rank0(self, *, ema: bool = False) -> dict[str, Tensor] | None:
         """The full model state (or its EMA) on the CPU at rank 0 (None elsewhere); all ranks
         call it."""
-        with self._ema_weights() if ema else contextlib.nullcontext():
-            out: dict[str, Tensor] | None = {} if self.rank == 0 else None
-            for name, tensor in self.named_full_parameters():
-                if out is not None:
-                    out[name] = tensor.detach().to("cpu", copy=True)
-        return out
+        swapped = shared.ema_swapped(self._ema, self._trainable, local=_local, release=_release)
+        with swapped if ema else contextlib.nullcontext():
+            return shared.gather_on_rank0(self.named_full_parameters(), self.rank)
 
     def export_hf(self, directory: str, *, ema: bool = False) -> None:
         """A transformers checkpoint of the full model (its EMA with ``ema``) plus the
@@ -402,19 +335,3 @@ def _release(param: torch.nn.Parameter) -> None:
     """Drop a ZeRO-3 parameter's gathered copy, so the next gather reads its shard."""
     if getattr(param, "ds_tensor", None) is not None and param.data.numel():
         param.partition()
-
-
-def _allocated_gib(device: torch.device) -> float:
-    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, tuple):
-        return tuple(_to_cpu(v) for v in value)
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value

@@ -28,12 +28,9 @@ RNG per rank; exports and weight streams gather one parameter at a time (``full_
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import json
-import os
 import pathlib
-import socket
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,6 +39,7 @@ from torch import Tensor
 
 # Submodules, not the package's namespace: rlhf.learner also offers the DeepSpeed backend.
 from rlhf.learner import checkpoint as ckpt
+from rlhf.learner import rank as shared
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.checkpoint import CheckpointError
@@ -59,25 +57,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SCHEDULE_FILE = "schedule.json"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed() -> None:
     """Join the process group that RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT describe, or make a
     single-process one when none is set (gloo on CPU, NCCL on GPUs)."""
     if torch.distributed.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
+    shared.default_process_env()
     torch.distributed.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
@@ -132,12 +117,7 @@ class FSDPBackend:
         self.config = config
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = (
-            torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-        )
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = shared.rank_device()
         torch.manual_seed(config.seed)
         compute = _DTYPES[self.fsdp.param_dtype]
         # A training role keeps float32 masters (forwards compute in param_dtype); an eval-only
@@ -190,7 +170,7 @@ class FSDPBackend:
         self._offloaded: set[str] = set()  # states offload_states moved to the host
         self._ema: dict[str, Tensor] | None = None
         if config.optimizer is not None and config.optimizer.ema_decay is not None:
-            self._ema = {n: _local(p).detach().float().clone() for n, p in self._trainable()}
+            self._ema = shared.ema_init((n, _local(p)) for n, p in self._trainable())
 
     def _trainable(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return ((n, p) for n, p in self._module.named_parameters() if p.requires_grad)
@@ -201,20 +181,10 @@ class FSDPBackend:
         return self._module
 
     def _placed(self, batch: Batch) -> Batch:
-        model = self.config.model
-        return dataclasses.replace(
-            batch.to(self.device),
-            packing_samples=model.packing_samples,
-            chunked_lm_head=model.chunked_lm_head,
-        )
+        return shared.place(batch, self.config.model, self.device)
 
     def _passes(self, count: int) -> int:
-        """Passes every rank must run: the most any rank has."""
-        if self.world_size == 1:
-            return count
-        n = torch.tensor([count], dtype=torch.long, device=self.device)
-        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
-        return int(n.item())
+        return shared.most_passes(count, world_size=self.world_size, device=self.device)
 
     # -- training ------------------------------------------------------------------------
     def train_micro_batches(
@@ -229,23 +199,16 @@ class FSDPBackend:
             raise RuntimeError("this role is eval-only (no optimizer); it cannot train")
         if not micro_batches:
             raise ValueError("train_micro_batches needs at least one micro-batch on every rank")
-        scale = [1.0] * len(micro_batches) if weights is None else list(weights)
-        passes = self._passes(len(micro_batches))
         self._module.train()
-        loss_total = 0.0
-        sums: dict[str, float] = {}
-        counted = 0
-        for i in range(passes):
-            real = i < len(micro_batches)
-            batch = self._placed(micro_batches[i if real else 0])
-            w = scale[i] if real else 0.0
-            loss, metrics = objective(self._module, batch)
-            (loss * (w * self.dp_size)).backward()
-            if real and w > 0:
-                loss_total += float(loss.detach()) * w
-                counted += 1
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+        out = shared.train_passes(
+            micro_batches,
+            objective,
+            runner=self._module,
+            passes=self._passes(len(micro_batches)),
+            weights=weights,
+            placed=self._placed,
+            backward=lambda loss, w: (loss * (w * self.dp_size)).backward(),
+        )
         norm = grad_norm_and_clip(
             (p for _, p in self._trainable()), self.config.optimizer.grad_clip
         )
@@ -254,11 +217,7 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         decay = self.config.optimizer.ema_decay
         if self._ema is not None and decay is not None:
-            with torch.no_grad():
-                for name, param in self._trainable():
-                    self._ema[name].mul_(decay).add_(_local(param).float(), alpha=1 - decay)
-        out = {k: v / max(counted, 1) for k, v in sums.items()}
-        out["loss"] = loss_total
+            shared.ema_update(self._ema, ((n, _local(p)) for n, p in self._trainable()), decay)
         out["grad_norm"] = float(norm)
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         self._module.eval()
@@ -268,16 +227,14 @@ class FSDPBackend:
         """``fn(model, batch)`` per micro-batch, no gradient, eval mode; results on the CPU."""
         if not micro_batches:
             raise ValueError("forward_micro_batches needs at least one micro-batch on every rank")
-        passes = self._passes(len(micro_batches))
         self._module.eval()
-        out = []
-        with torch.no_grad():
-            for i in range(passes):
-                batch = self._placed(micro_batches[min(i, len(micro_batches) - 1)])
-                result = fn(self._module, batch)
-                if i < len(micro_batches):
-                    out.append(_to_cpu(result))
-        return out
+        return shared.forward_passes(
+            micro_batches,
+            fn,
+            runner=self._module,
+            passes=self._passes(len(micro_batches)),
+            placed=self._placed,
+        )
 
     # -- hybrid placement ----------------------------------------------------------------
     def offload_states(self, *, weights: bool = True) -> dict[str, float]:
@@ -296,7 +253,7 @@ class FSDPBackend:
                 "offload_states needs a training role (an optimizer); an eval-only role keeps "
                 "its weights"
             )
-        before = _allocated_gib(self.device)
+        before = shared.allocated_gib(self.device)
         on_device = self.fsdp.offload == "none"  # the optimizer state; the weights unless full
         if on_device and "optimizer" not in self._offloaded:
             self._move_optimizer_state(torch.device("cpu"))
@@ -306,17 +263,23 @@ class FSDPBackend:
             self._offloaded.add("weights")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return {"allocated_gib_before": before, "allocated_gib_after": _allocated_gib(self.device)}
+        return {
+            "allocated_gib_before": before,
+            "allocated_gib_after": shared.allocated_gib(self.device),
+        }
 
     def reload_states(self) -> dict[str, float]:
         """Undo `offload_states` (every state it moved); same return value."""
-        before = _allocated_gib(self.device)
+        before = shared.allocated_gib(self.device)
         if "weights" in self._offloaded:
             self._module.to(self.device)
         if "optimizer" in self._offloaded:
             self._move_optimizer_state(self.device)
         self._offloaded.clear()
-        return {"allocated_gib_before": before, "allocated_gib_after": _allocated_gib(self.device)}
+        return {
+            "allocated_gib_before": before,
+            "allocated_gib_after": shared.allocated_gib(self.device),
+        }
 
     def offloaded_states(self) -> list[str]:
         """The states now off the device (``optimizer``, ``weights``)."""
@@ -360,8 +323,7 @@ class FSDPBackend:
             (backend / _SCHEDULE_FILE).write_text(json.dumps(schedule))
         ckpt.write_rank_rng(directory, self.rank)
         if self._ema is not None:
-            (pathlib.Path(directory) / "ema").mkdir(exist_ok=True)
-            torch.save(self._ema, pathlib.Path(directory) / "ema" / f"rank-{self.rank}.pt")
+            shared.save_ema(directory, self.rank, self._ema)
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Validate ``directory`` against this model, then restore everything
@@ -396,13 +358,7 @@ class FSDPBackend:
             self.scheduler.load_state_dict(schedule["scheduler"])
         ckpt.restore_rank_rng(directory, self.rank)
         if self._ema is not None:
-            file = pathlib.Path(directory) / "ema" / f"rank-{self.rank}.pt"
-            if not file.is_file():
-                raise CheckpointError(
-                    f"checkpoint {directory} has no EMA weights of rank {self.rank}; it was "
-                    "saved without optimizer.ema_decay or with another number of ranks"
-                )
-            self._ema = torch.load(file, weights_only=True)
+            self._ema = shared.load_ema(directory, self.rank)
         return state
 
     def named_full_parameters(self) -> Iterator[tuple[str, Tensor]]:
@@ -411,33 +367,12 @@ class FSDPBackend:
         for name, tensor in merged_parameters(self._module):
             yield name, _full(tensor)
 
-    @contextlib.contextmanager
-    def _ema_weights(self) -> Iterator[None]:
-        """Swap the EMA into the local shards of the trainable weights while open."""
-        if self._ema is None:
-            raise RuntimeError("no EMA weights: set optimizer.ema_decay")
-        saved = {}
-        with torch.no_grad():
-            for name, param in self._trainable():
-                local = _local(param)
-                saved[name] = local.clone()
-                local.copy_(self._ema[name].to(local.dtype))
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, param in self._trainable():
-                    _local(param).copy_(saved[name])
-
     def state_dict_on_rank0(self, *, ema: bool = False) -> dict[str, Tensor] | None:
         """The full model state (or its EMA) on the CPU at rank 0 (None elsewhere); all ranks
         call it."""
-        with self._ema_weights() if ema else contextlib.nullcontext():
-            out: dict[str, Tensor] | None = {} if self.rank == 0 else None
-            for name, tensor in self.named_full_parameters():
-                if out is not None:
-                    out[name] = tensor.detach().to("cpu", copy=True)
-        return out
+        swapped = shared.ema_swapped(self._ema, self._trainable, local=_local)
+        with swapped if ema else contextlib.nullcontext():
+            return shared.gather_on_rank0(self.named_full_parameters(), self.rank)
 
     def export_hf(self, directory: str, *, ema: bool = False) -> None:
         """A transformers checkpoint of the full model (its EMA with ``ema``), written by rank
@@ -452,17 +387,3 @@ class FSDPBackend:
         self.scheduler = None
         self._module = None  # type: ignore[assignment]
         gc.collect()
-
-
-def _allocated_gib(device: torch.device) -> float:
-    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return _full(value).detach().cpu()
-    if isinstance(value, tuple | list):
-        return type(value)(_to_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value

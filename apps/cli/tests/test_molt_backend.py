@@ -102,11 +102,13 @@ def test_a_lora_actor_trains_and_syncs_merged_weights(assets, tmp_path, backend)
 def test_hybrid_turns_move_fsdp2_states_aside(assets, tmp_path) -> None:
     """Hybrid placement with the learners' states forced off the device between phases
     (``--train.deepspeed_enable_sleep True``; on a CPU machine they make the round trip in
-    host memory): actor and critic on FSDP2 train, and each sync after a round trip loads
-    exactly the trained weights (`--vllm.verify_sync full`)."""
+    host memory): actor and critic on FSDP2 train, the actor's log-probs through the chunked
+    lm_head, and each sync after a round trip loads exactly the trained weights
+    (`--vllm.verify_sync full`)."""
     out = rlhf(
         "train", "ppo", "--run_dir", str(tmp_path), *small_run(assets, steps=2, samples=2),
         "--actor.backend", "molt", "--critic.backend", "molt",
+        "--actor.model.chunked_lm_head", "True",
         "--critic.num_cpus_per_rank", "0.5",
         "--train.colocate_all", "True", "--train.deepspeed_enable_sleep", "True",
         "--vllm.verify_sync", "full",
@@ -165,8 +167,11 @@ def test_sft_trains_on_fsdp2(assets, tmp_path) -> None:
             "--actor.model.lora_rank with --actor.fsdp.tp_size 2: LoRA adapters are not split",
         ),
         (
-            ["--actor.backend", "molt", "--actor.model.chunked_lm_head", "True"],
-            "--actor.model.chunked_lm_head runs on --actor.backend deepspeed",
+            [
+                *("--actor.backend", "molt", "--actor.model.chunked_lm_head", "True"),
+                *("--actor.fsdp.tp_size", "2", "--actor.num_ranks", "2"),
+            ],
+            "--actor.model.chunked_lm_head with --actor.fsdp.tp_size 2",
         ),
     ],
 )

@@ -47,20 +47,23 @@ def group(ray_cluster):
     g.shutdown()
 
 
-@pytest.mark.parametrize("option", [None, "packing"])
+@pytest.mark.parametrize("option", [None, "packing", "chunked"])
 def test_ppo_actor_step_equals_one_process_and_deepspeed(group, tiny, option) -> None:
     """2 ranks × 3 uneven micro-batches (one rank pads with a weight-0 pass): the loss, the
     gradient norm and every updated parameter equal one full-batch step in this process, and
-    the DeepSpeed ZeRO-2 backend's step on the same split — also padding-free."""
-    packing = option == "packing"
+    the DeepSpeed ZeRO-2 backend's step on the same split — also padding-free, and with the
+    chunked lm_head (log-probs from hidden states, the tied head's gradient reduced as in a
+    plain forward)."""
+    packing, chunked = option == "packing", option == "chunked"
     model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     batch = rl_batch(model, seed=2)
     algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
     norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
     objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
-    cfg = config(tiny, packing=packing)
+    cfg = config(tiny, packing=packing, chunked=chunked)
     optimizer, scheduler = build_optimizer(model, cfg.optimizer)
-    loss, _ = objective(model, dataclasses.replace(batch, packing_samples=packing))
+    flags = {"packing_samples": packing, "chunked_lm_head": chunked}
+    loss, _ = objective(model, dataclasses.replace(batch, **flags))
     loss.backward()
     grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
     optimizer.step()
@@ -197,8 +200,8 @@ def test_options_not_available_are_refused_by_flag(group, tiny) -> None:
     tp2 = functools.partial(FSDPBackend, fsdp=FSDPConfig(tp_size=2))
     with pytest.raises(FSDPConfigError, match="--fsdp.tp_size with model.lora_rank"):
         group.build(lora, backend=tp2)
-    with pytest.raises(ValueError, match="model.chunked_lm_head: not available yet"):
-        group.build(config(tiny, chunked=True), backend=MOLT)
+    with pytest.raises(FSDPConfigError, match="--fsdp.tp_size with model.chunked_lm_head"):
+        group.build(config(tiny, chunked=True), backend=tp2)
 
 
 def test_ema_of_the_shards_follows_the_weights_and_survives_a_checkpoint(

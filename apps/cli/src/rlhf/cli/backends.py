@@ -63,10 +63,11 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
             f"--{flag}.model.lora_rank with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: LoRA "
             f"adapters are not split over tensor-parallel ranks yet; use tp_size 1 for LoRA"
         )
-    if role.model.chunked_lm_head:
+    if role.model.chunked_lm_head and role.fsdp.tp_size > 1:
         problems.append(
-            f"--{flag}.model.chunked_lm_head runs on --{flag}.backend deepspeed for now (FSDP2 "
-            "keeps the lm_head sharded outside the model's forward)"
+            f"--{flag}.model.chunked_lm_head with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: "
+            "the chunked head reads the lm_head whole, which tensor parallelism splits by "
+            "vocabulary; use one of the two"
         )
     return problems
 

@@ -15,6 +15,9 @@ With ``chunked_lm_head`` `token_logprobs` runs the model's body only and project
 states through ``lm_head`` chunk by chunk inside `rlhf.algos.linear_logprobs_and_entropy`, so
 the (tokens × vocabulary) logits never exist at once, in the forward or the backward pass.
 `check_chunked_lm_head` verifies on a probe that the model's logits are that plain projection.
+A backend whose parameters are whole only inside a forward method (FSDP2) gives the model a
+``forward_with_head(fn)`` method, registered as a forward, that returns ``fn(body, lm_head)``:
+the chunked computation then runs inside it.
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ def pack(input_ids: Tensor, attention_mask: Tensor) -> Packed:
         cols=cols,
         shape=(int(input_ids.shape[0]), int(input_ids.shape[1])),
     )
+
+
+FORWARD_WITH_HEAD = "forward_with_head"
+"""The method a sharded model may offer: ``model.forward_with_head(fn)`` → ``fn(body, lm_head)``
+run as one of the model's forwards (its parameters gathered while it runs)."""
 
 
 def _logits(model: torch.nn.Module) -> Callable[..., Tensor]:
@@ -163,26 +171,31 @@ def token_logprobs(
         (B, L) float32 log-probs and (B, L) entropies or None; column 0 is 0.
     """
     if chunked_lm_head:
-        body, lm_head = lm_head_parts(model)
 
-        def run(**inputs: Tensor) -> Tensor:
-            return body(**inputs, use_cache=False).last_hidden_state
+        def chunked(body: torch.nn.Module, lm_head: torch.nn.Linear) -> tuple[Tensor | None, ...]:
+            def run(**inputs: Tensor) -> Tensor:
+                return body(**inputs, use_cache=False).last_hidden_state
 
-        def head(hidden: Tensor, ids: Tensor) -> tuple[Tensor | None, ...]:
-            lp, ent = linear_logprobs_and_entropy(
-                hidden[:, :-1],
-                lm_head.weight,
-                ids[:, 1:],
-                bias=lm_head.bias,
-                temperature=temperature,
-                with_entropy=with_entropy,
-            )
-            return _shift_right(lp.float()), (
-                _shift_right(ent.float()) if ent is not None else None
-            )
+            def head(hidden: Tensor, ids: Tensor) -> tuple[Tensor | None, ...]:
+                lp, ent = linear_logprobs_and_entropy(
+                    hidden[:, :-1],
+                    lm_head.weight,
+                    ids[:, 1:],
+                    bias=lm_head.bias,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                )
+                return _shift_right(lp.float()), (
+                    _shift_right(ent.float()) if ent is not None else None
+                )
 
+            return _outputs(run, input_ids, attention_mask, packing_samples, head, shifted=True)
+
+        forward_with_head = getattr(model, FORWARD_WITH_HEAD, None)
+        lp, ent = (
+            forward_with_head(chunked) if forward_with_head else chunked(*lm_head_parts(model))
+        )
     else:
-        run = _logits(model)
 
         def head(logits: Tensor, ids: Tensor) -> tuple[Tensor | None, ...]:
             lp, ent = logprobs_and_entropy(
@@ -192,7 +205,8 @@ def token_logprobs(
                 _shift_right(ent.float()) if ent is not None else None
             )
 
-    lp, ent = _outputs(run, input_ids, attention_mask, packing_samples, head, shifted=True)
+        run = _logits(model)
+        lp, ent = _outputs(run, input_ids, attention_mask, packing_samples, head, shifted=True)
     assert lp is not None
     return lp, ent
 

@@ -45,7 +45,12 @@ from rlhf.learner.batch import Batch
 from rlhf.learner.checkpoint import CheckpointError
 from rlhf.learner.config import LearnerConfig
 from rlhf.learner.export import write_hf_export
-from rlhf.learner.forward import check_packing
+from rlhf.learner.forward import (
+    FORWARD_WITH_HEAD,
+    check_chunked_lm_head,
+    check_packing,
+    lm_head_parts,
+)
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt.config import FSDPConfig, FSDPConfigError
@@ -80,6 +85,22 @@ def _full(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def _offer_forward_with_head(model: torch.nn.Module) -> None:
+    """Give the root FSDP2 module ``forward_with_head(fn)`` → ``fn(body, lm_head)``, registered
+    as a forward: the root's parameters (embedding, final norm, lm_head) are gathered while it
+    runs and their gradients reduced after its backward, as for ``model(...)``. The chunked
+    lm_head path of `rlhf.learner.forward.token_logprobs` runs through it."""
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    def forward_with_head(self: torch.nn.Module, fn: Any) -> Any:
+        return fn(*lm_head_parts(self))
+
+    setattr(model, FORWARD_WITH_HEAD, types.MethodType(forward_with_head, model))
+    register_fsdp_forward_method(model, FORWARD_WITH_HEAD)
+
+
 def _layer_classes(model: torch.nn.Module) -> set[str]:
     """The decoder-layer classes a transformers model names (its ``_no_split_modules``)."""
     get_base_model = getattr(model, "get_base_model", None)
@@ -108,10 +129,10 @@ class FSDPBackend:
                 "--fsdp.tp_size with model.lora_rank: LoRA adapters are not split over "
                 "tensor-parallel ranks yet; use tp_size 1 (data parallel) for LoRA"
             )
-        if config.model.chunked_lm_head:
-            raise ValueError(
-                "model.chunked_lm_head: not available yet in the molt backend (FSDP2 keeps the "
-                "lm_head sharded outside the model's forward); leave it off"
+        if config.model.chunked_lm_head and self.fsdp.tp_size > 1:
+            raise FSDPConfigError(
+                "--fsdp.tp_size with model.chunked_lm_head: the chunked head reads the lm_head "
+                "whole, which tensor parallelism splits by vocabulary; use one of the two"
             )
         init_distributed()
         self.config = config
@@ -165,6 +186,9 @@ class FSDPBackend:
         elif config.optimizer is not None:
             self.optimizer, self.scheduler = build_optimizer(model, config.optimizer)
         model.eval()
+        if config.model.chunked_lm_head:
+            _offer_forward_with_head(model)
+            check_chunked_lm_head(model, device=self.device, flag="model.chunked_lm_head")
         if config.model.packing_samples:
             check_packing(model, device=self.device, flag="model.packing_samples")
         self._offloaded: set[str] = set()  # states offload_states moved to the host

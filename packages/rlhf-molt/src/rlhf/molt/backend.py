@@ -168,11 +168,13 @@ class FSDPBackend:
         }
         if self.fsdp.offload == "full":
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        layers = _layer_classes(model)
-        for module in list(model.modules()):
-            if type(module).__name__ in layers:
-                fully_shard(module, **options)
+        layers = [m for m in model.modules() if type(m).__name__ in _layer_classes(model)]
+        for module in layers:
+            fully_shard(module, **options)
         fully_shard(model, **options)
+        if self.fsdp.compile:
+            for module in layers:
+                module.compile()
         if self.loading == "sharded":
             materialize_and_load(
                 model, path=config.model.path, device=shard_device, buffers_on=self.device

@@ -31,6 +31,10 @@ class FSDPConfig:
             weights, gradients' reduction and the optimizer stay float32.
         reshard_after_forward: Free each layer's gathered parameters after its forward (less
             memory; the backward gathers them again).
+        compile: ``torch.compile`` each decoder layer's forward in place (parameter names
+            unchanged; the analogue of DeepSpeed's deepcompile). The first step of each new
+            shape pays the compilation (seconds per layer class), later ones run the fused
+            kernels.
     """
 
     tp_size: int = 1
@@ -39,6 +43,7 @@ class FSDPConfig:
     offload: str = "none"
     param_dtype: str = "float32"
     reshard_after_forward: bool = True
+    compile: bool = False
 
     def validate(self, *, flag: str = "fsdp") -> FSDPConfig:
         """Raise `FSDPConfigError` naming ``{flag}.<field>`` for an option not supported."""

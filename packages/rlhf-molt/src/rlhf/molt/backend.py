@@ -179,6 +179,11 @@ class FSDPBackend:
             materialize_and_load(
                 model, path=config.model.path, device=shard_device, buffers_on=self.device
             )
+        elif shard_device != self.device:  # fully offloaded: buffers still compute on device
+            for module in model.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(self.device)
         self._module: torch.nn.Module = model
         self.optimizer: Any = None
         self.scheduler: Any = None

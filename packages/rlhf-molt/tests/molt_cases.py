@@ -65,3 +65,27 @@ def sft_batch(tokenizer, n: int = 6):
         pad_token_id=tokenizer.pad_token_id,
         per_token={"loss_mask": [r.loss_mask for r in rows]},
     )
+
+
+def critic_case(path, *, batch_seed: int, value_seed: int):
+    """A clipped-value critic batch on the scalar model at ``path``, its objective, and the
+    one-process reference: ``(batch, objective, loss, grad_norm)``."""
+    from transformers import Qwen2ForCausalLM
+
+    from rlhf.algos import AlgoConfig, loss_normalizer
+    from rlhf.learner import CriticObjective, load_model
+
+    ref = load_model(ModelConfig(path=str(path), kind="scalar"))
+    gen = torch.Generator().manual_seed(value_seed)
+    batch = rl_batch(Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32), seed=batch_seed)
+    m = batch["action_mask"]
+    batch.fields["old_values"] = torch.randn(m.shape, generator=gen) * m * 0.5
+    batch.fields["returns"] = torch.randn(m.shape, generator=gen) * m
+    algo = AlgoConfig(value_clip=0.2, loss_agg_mode="seq-mean-token-mean")
+    objective = CriticObjective(
+        algo=algo, normalizer=float(loss_normalizer(m, mode="seq-mean-token-mean"))
+    )
+    loss, _ = objective(ref, batch)
+    loss.backward()
+    grads = [p.grad for p in ref.parameters() if p.grad is not None]
+    return batch, objective, loss.item(), torch.sqrt(sum((g**2).sum() for g in grads)).item()

@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
 from rlhf.learner import (
     CheckpointError,
-    CriticObjective,
     DeepSpeedBackend,
     DeepSpeedConfig,
     DPOObjective,
@@ -26,7 +25,6 @@ from rlhf.learner import (
     RewardModelObjective,
     SFTObjective,
     collate,
-    load_model,
     preference_row,
     sequence_logps,
     stream_weights,
@@ -35,7 +33,7 @@ from rlhf.learner.optim import build_optimizer
 from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
 from rlhf.weights import iter_tensors, validate_sync
 
-from .molt_cases import config, full_state, rl_batch, sft_batch
+from .molt_cases import config, critic_case, full_state, rl_batch, sft_batch
 
 MOLT = functools.partial(FSDPBackend, fsdp=FSDPConfig())
 
@@ -88,24 +86,11 @@ def test_ppo_actor_step_equals_one_process_and_deepspeed(group, tiny, option) ->
 
 
 def test_critic_step_equals_one_process(group, tiny) -> None:
-    ref = load_model(ModelConfig(path=str(tiny), kind="scalar"))
-    gen = torch.Generator().manual_seed(3)
-    batch = rl_batch(Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32), seed=4)
-    m = batch["action_mask"]
-    batch.fields["old_values"] = torch.randn(m.shape, generator=gen) * m * 0.5
-    batch.fields["returns"] = torch.randn(m.shape, generator=gen) * m
-    algo = AlgoConfig(value_clip=0.2, loss_agg_mode="seq-mean-token-mean")
-    objective = CriticObjective(
-        algo=algo, normalizer=float(loss_normalizer(m, mode="seq-mean-token-mean"))
-    )
-    loss, _ = objective(ref, batch)
-    loss.backward()
-    grads = [p.grad for p in ref.parameters() if p.grad is not None]
-    grad_norm = torch.sqrt(sum((g**2).sum() for g in grads))
+    batch, objective, loss, grad_norm = critic_case(tiny, batch_seed=4, value_seed=3)
     group.build(config(tiny, kind="scalar"), backend=MOLT)
     out = group.train_step(batch, objective, max_rows=1)
-    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
-    assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
+    assert out["loss"] == pytest.approx(loss, rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
 
 
 def test_bfloat16_compute_stays_close_to_float32(group, tiny, tokenizer) -> None:

@@ -19,12 +19,12 @@ import torch
 from transformers import AutoConfig, Qwen2ForCausalLM
 
 from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
-from rlhf.learner import CriticObjective, LearnerGroup, ModelConfig, PPOActorObjective, load_model
+from rlhf.learner import LearnerGroup, PPOActorObjective
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
 from rlhf.molt.tensor_parallel import check_tensor_parallel
 
-from .molt_cases import config, full_state, rl_batch
+from .molt_cases import config, critic_case, full_state, rl_batch
 
 TP2 = functools.partial(FSDPBackend, fsdp=FSDPConfig(tp_size=2))
 LR, EPS = 0.1, 1.0
@@ -101,23 +101,11 @@ def test_tensor_parallel_step_equals_one_process(groups, tiny_tp, ranks, offload
 def test_tensor_parallel_critic_equals_one_process(groups, tiny_tp) -> None:
     """The scalar head stays whole on both ranks; the split decoder under it gives the same
     loss and gradient norm as one process."""
-    ref = load_model(ModelConfig(path=str(tiny_tp), kind="scalar"))
-    gen = torch.Generator().manual_seed(6)
-    batch = rl_batch(Qwen2ForCausalLM.from_pretrained(tiny_tp, dtype=torch.float32), seed=7)
-    m = batch["action_mask"]
-    batch.fields["old_values"] = torch.randn(m.shape, generator=gen) * m * 0.5
-    batch.fields["returns"] = torch.randn(m.shape, generator=gen) * m
-    algo = AlgoConfig(value_clip=0.2, loss_agg_mode="seq-mean-token-mean")
-    objective = CriticObjective(
-        algo=algo, normalizer=float(loss_normalizer(m, mode="seq-mean-token-mean"))
-    )
-    loss, _ = objective(ref, batch)
-    loss.backward()
-    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in ref.parameters() if p.grad is not None))
+    batch, objective, loss, grad_norm = critic_case(tiny_tp, batch_seed=7, value_seed=6)
     groups[2].build(config(tiny_tp, kind="scalar"), backend=TP2)
     out = groups[2].train_step(batch, objective, max_rows=2)
-    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
-    assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
+    assert out["loss"] == pytest.approx(loss, rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
 
 
 def test_a_tensor_parallel_checkpoint_resumes_data_parallel(groups, tiny_tp, tmp_path) -> None:

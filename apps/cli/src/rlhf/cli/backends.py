@@ -61,7 +61,7 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
     if role.model.lora_rank and role.fsdp.tp_size > 1:
         problems.append(
             f"--{flag}.model.lora_rank with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: LoRA "
-            f"adapters are not split over tensor-parallel ranks yet; use tp_size 1 for LoRA"
+            "adapters are not split over tensor-parallel ranks yet; use tp_size 1 for LoRA"
         )
     if role.model.chunked_lm_head and role.fsdp.tp_size > 1:
         problems.append(

@@ -11,7 +11,7 @@
    `offload_states(weights=True)` (what hybrid turn-taking leaves on the device).
 
 Usage: python benchmarks/bench_molt.py [--json out.json] [--size tiny|0.5B|1.5B]
-       [--rounds 5] [--micro-rows 2] [--no-memory]
+       [--rounds 5] [--micro-rows 2] [--no-memory] [--variant reshard_after_forward=false ...]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import functools
 import gc
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -36,8 +37,11 @@ SHAPES = {"tiny": SHAPE, **SCALES}
 MODES = ("deepspeed", "molt-none", "molt-optimizer", "molt-full")
 
 
-def _setup(model_dir: pathlib.Path, mode: str, *, gpu: bool) -> Any:
-    """One backend (rank 0 of 1) of ``mode``."""
+def _setup(
+    model_dir: pathlib.Path, mode: str, *, gpu: bool, options: dict[str, Any] | None = None
+) -> Any:
+    """One backend (rank 0 of 1) of ``mode``; ``options`` override the molt side's
+    `FSDPConfig` fields."""
     from rlhf.learner import (
         DeepSpeedBackend,
         DeepSpeedConfig,
@@ -56,7 +60,9 @@ def _setup(model_dir: pathlib.Path, mode: str, *, gpu: bool) -> Any:
     if mode == "deepspeed":
         return DeepSpeedBackend(config)
     offload = mode.removeprefix("molt-")
-    fsdp = FSDPConfig(param_dtype="bfloat16" if gpu else "float32", offload=offload)
+    fsdp = FSDPConfig(
+        param_dtype="bfloat16" if gpu else "float32", offload=offload, **(options or {})
+    )
     return functools.partial(FSDPBackend, fsdp=fsdp)(config)
 
 
@@ -82,9 +88,12 @@ def bench_step(
     rows: int,
     length: int,
     micro_rows: int,
+    variants: dict[str, dict[str, Any]],
 ) -> dict[str, float]:
     gpu = torch.cuda.is_available()
     backends = {name: _setup(model_dir, name, gpu=gpu) for name in ("deepspeed", "molt-none")}
+    for label, options in variants.items():
+        backends[label] = _setup(model_dir, "molt-none", gpu=gpu, options=options)
     device = backends["deepspeed"].device
     micro, objective, tokens = _work(
         shape, rows=rows, length=length, micro_rows=micro_rows, device=device
@@ -100,12 +109,15 @@ def bench_step(
                 times[name].append(time.perf_counter() - start)
     flops = step_flops(shape, rows=rows, length=length)
     out: dict[str, float] = {"tokens_per_step": float(tokens)}
-    for name, label in (("deepspeed", "deepspeed"), ("molt-none", "fsdp")):
+    labels = {"deepspeed": "deepspeed", "molt-none": "fsdp"} | {v: v for v in variants}
+    for name, label in labels.items():
         s = statistics.median(times[name])
         out[f"{label}_s_per_step"] = s
         out[f"{label}_tokens_per_s"] = tokens / s
         out[f"{label}_mfu_h200"] = flops / s / H200_BF16_DENSE_FLOPS
-    out["ratio_fsdp_over_deepspeed"] = out["fsdp_tokens_per_s"] / out["deepspeed_tokens_per_s"]
+    for label in ("fsdp", *variants):
+        ratio = out[f"{label}_tokens_per_s"] / out["deepspeed_tokens_per_s"]
+        out[f"ratio_{label}_over_deepspeed"] = ratio
     for backend in backends.values():
         backend.close()
     gc.collect()
@@ -135,17 +147,34 @@ def memory_child(model_dir: pathlib.Path, size: str, mode: str, micro_rows: int)
 
 def bench_memory(model_dir: pathlib.Path, size: str, micro_rows: int) -> dict[str, Any]:
     out = {}
+    # Each child makes its own single-process group: this process's rendezvous port is taken.
+    rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {key: value for key, value in os.environ.items() if key not in rendezvous}
     for mode in MODES:
         child = subprocess.run(
             [sys.executable, __file__, "--memory-child", mode, "--model-dir", str(model_dir),
              "--size", size, "--micro-rows", str(micro_rows)],
-            capture_output=True, text=True, check=False,
+            capture_output=True, text=True, check=False, env=env,
         )  # fmt: skip
         if child.returncode:
             out[mode] = {"error": child.stderr[-1500:]}
         else:
             out[mode] = json.loads(child.stdout.strip().splitlines()[-1])
         print(f"memory {mode}:", json.dumps(out[mode]), flush=True)
+    return out
+
+
+def _variants(specs: list[str]) -> dict[str, dict[str, Any]]:
+    """``["compile=true", "reshard_after_forward=false"]`` → one FSDPConfig override each,
+    keyed by its spec (booleans and integers parsed)."""
+    words = {"true": True, "false": False}
+    out = {}
+    for spec in specs:
+        options = {}
+        for item in spec.split(","):
+            field, _, value = item.partition("=")
+            options[field] = words.get(value.lower(), int(value) if value.isdigit() else value)
+        out[f"fsdp[{spec}]"] = options
     return out
 
 
@@ -156,6 +185,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--micro-rows", type=int, default=2)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE[,FIELD=VALUE]",
+        help="an extra molt backend in the same rounds with these FSDPConfig fields "
+        "(e.g. reshard_after_forward=false); repeatable",
+    )
     parser.add_argument("--memory-child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,7 +207,7 @@ def main() -> None:
         make_model(model_dir, SHAPES[args.size])
         results["actor_step"] = bench_step(
             model_dir, SHAPES[args.size], rounds=args.rounds, rows=rows, length=length,
-            micro_rows=args.micro_rows,
+            micro_rows=args.micro_rows, variants=_variants(args.variant),
         )  # fmt: skip
         print("actor_step:", json.dumps(results["actor_step"]), flush=True)
         if gpu and not args.no_memory:

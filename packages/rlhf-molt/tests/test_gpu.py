@@ -63,14 +63,21 @@ def _release(backend) -> None:
 def test_each_offload_level_leaves_what_it_says_on_the_device(tmp_path) -> None:
     params = _model(tmp_path)
     micro, objective = _work()
-    resident, losses = {}, {}
+    resident, released, losses = {}, {}, {}
     for offload in ("none", "optimizer", "full"):
         backend = _backend(tmp_path, offload=offload)
         losses[offload] = [backend.train_micro_batches(micro, objective)["loss"] for _ in range(2)]
         torch.cuda.synchronize()
-        resident[offload] = torch.cuda.memory_allocated() / params
+        after_step = torch.cuda.memory_allocated()
         _release(backend)
-    print("bytes per parameter resident after a step:", resident)
+        # What stays after the release is not the backend's: the cuBLAS workspaces torch takes
+        # from its allocator at the first matmul (a fixed ~64 MiB on the H200, 2.6 bytes per
+        # parameter of this small model).
+        released[offload] = torch.cuda.memory_allocated()
+        resident[offload] = (after_step - released[offload]) / params
+    print("bytes per parameter resident after a step:", resident, "left after release:", released)
+    # Releasing a backend gives everything back: the same floor after each.
+    assert max(released.values()) - min(released.values()) <= 2**20
     assert resident["none"] >= 11.5  # weights 4 + moments 8
     assert resident["none"] - resident["optimizer"] >= 7.5  # the moments left
     assert resident["optimizer"] >= 3.5  # the weights stayed

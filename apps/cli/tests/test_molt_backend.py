@@ -53,16 +53,17 @@ def test_ppo_trains_syncs_and_resumes_on_fsdp2(assets, tmp_path) -> None:
 
 def test_grpo_trains_and_syncs_with_a_tensor_parallel_actor(assets, tmp_path) -> None:
     """The actor split over 2 tensor-parallel ranks (the demo model's 4 heads and 2 key/value
-    heads split 2 ways) with AdamW on the host, the reference likewise split: it trains, and
-    every sync gathers whole weights the engine verifies one by one."""
+    heads split 2 ways, the sequence split between blocks) with AdamW on the host, the
+    reference likewise split: it trains, and every sync gathers whole weights the engine
+    verifies one by one."""
     out = rlhf(
         "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=2),
         "--actor.backend", "molt", "--actor.fsdp.tp_size", "2", "--actor.num_ranks", "2",
-        "--actor.fsdp.offload", "optimizer",
+        "--actor.fsdp.offload", "optimizer", "--actor.fsdp.sequence_parallel", "True",
         "--algo.kl.init_coef", "0.01", "--vllm.verify_sync", "full",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "actor 2 rank(s) FSDP2 (molt, float32, dp 1 x tp 2)" in out.stdout
+    assert "actor 2 rank(s) FSDP2 (molt, float32, dp 1 x tp 2, sequence parallel)" in out.stdout
     placement = json.loads((tmp_path / "placement.json").read_text())
     assert len(placement["ref"]["placement_group"]) == 2  # one replica: both tp ranks
     steps = _steps(tmp_path)
@@ -158,6 +159,11 @@ def test_sft_trains_on_fsdp2(assets, tmp_path) -> None:
         (
             ["--actor.backend", "molt", "--actor.fsdp.param_dtype", "float16"],
             "--actor.fsdp.param_dtype must be one of",
+        ),
+        (
+            ["--actor.backend", "molt", "--actor.fsdp.sequence_parallel", "True"],
+            "--actor.fsdp.sequence_parallel splits the sequence over the tensor-parallel ranks: "
+            "it needs --actor.fsdp.tp_size > 1",
         ),
         (
             [

@@ -53,13 +53,18 @@ def _layout(backend) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("ranks", "offload"),
-    [(2, "none"), (4, "none"), (4, "optimizer")],
-    ids=["tp2", "dp2xtp2", "dp2xtp2-host-adamw"],
-)
-def test_tensor_parallel_step_equals_one_process(groups, tiny_tp, ranks, offload) -> None:
+    ("ranks", "offload", "sequence_parallel"),
+    [(2, "none", False), (4, "none", False), (4, "optimizer", False), (2, "none", True),
+     (4, "none", True)],
+    ids=["tp2", "dp2xtp2", "dp2xtp2-host-adamw", "tp2-sequence-parallel",
+         "dp2xtp2-sequence-parallel"],
+)  # fmt: skip
+def test_tensor_parallel_step_equals_one_process(
+    groups, tiny_tp, ranks, offload, sequence_parallel
+) -> None:
     """3 micro-batches over dp 1 (TP=2) or dp 2 (one padded pass) with the gradient clipped
-    to half its norm, AdamW on the device or on the host: loss, gradient norm and every
+    to half its norm, AdamW on the device or on the host, the sequence split between blocks
+    or not (padded lengths 7–11: odd ones split unevenly): loss, gradient norm and every
     parameter equal one full-batch step."""
     model = Qwen2ForCausalLM.from_pretrained(tiny_tp, dtype=torch.float32)
     batch = rl_batch(model, seed=5)
@@ -79,15 +84,16 @@ def test_tensor_parallel_step_equals_one_process(groups, tiny_tp, ranks, offload
     scheduler.step()
 
     group = groups[ranks]
-    group.build(
-        cfg, backend=functools.partial(FSDPBackend, fsdp=FSDPConfig(tp_size=2, offload=offload))
-    )
+    fsdp = FSDPConfig(tp_size=2, offload=offload, sequence_parallel=sequence_parallel)
+    group.build(cfg, backend=functools.partial(FSDPBackend, fsdp=fsdp))
     dp = ranks // 2
     layouts = group.run(_layout)
     assert [lay["dp"] for lay in layouts] == [(r // 2, dp) for r in range(ranks)]
     for lay in layouts:
         assert lay["tied"] and lay["params"] == len(list(model.named_parameters()))
-        assert lay["q_proj"] == ("dp", "tp") and lay["norm"] == ("dp",)
+        # Under sequence parallelism the norms are replicated DTensors on the tp group too.
+        norm_mesh = ("dp", "tp") if sequence_parallel else ("dp",)
+        assert lay["q_proj"] == ("dp", "tp") and lay["norm"] == norm_mesh
     assert len(group.split(batch, max_rows=2)) == dp
     out = group.train_step(batch, objective, max_rows=2)
     assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
@@ -98,11 +104,49 @@ def test_tensor_parallel_step_equals_one_process(groups, tiny_tp, ranks, offload
         torch.testing.assert_close(state[name], param.detach(), rtol=0, atol=LR * 1e-5)
 
 
-def test_tensor_parallel_critic_equals_one_process(groups, tiny_tp) -> None:
-    """The scalar head stays whole on both ranks; the split decoder under it gives the same
-    loss and gradient norm as one process."""
+def _collectives(backend) -> dict[str, int]:
+    """The collectives one forward of 2 × 9 tokens issues on this rank, by op."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with CommDebugMode() as comm, torch.no_grad():
+        backend.module(input_ids=ids, attention_mask=torch.ones_like(ids))
+    return {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items()}
+
+
+def test_sequence_parallel_moves_the_sequence_once_per_block(groups, tiny_tp) -> None:
+    """Per decoder layer, tensor parallelism all-reduces the two row-wise outputs; with the
+    sequence split they are reduce-scattered instead and each of the two blocks gathers its
+    input once (not once per column-wise layer: q, k, v and gate, up would be 5). Plus the
+    embedding (all-reduce / reduce-scatter), the final hidden states gathered for the heads
+    (sequence parallel only) and the gathered logits."""
+    layers = AutoConfig.from_pretrained(tiny_tp).num_hidden_layers
+    counts = {}
+    for sequence_parallel in (False, True):
+        fsdp = FSDPConfig(tp_size=2, sequence_parallel=sequence_parallel)
+        groups[2].build(config(tiny_tp), backend=functools.partial(FSDPBackend, fsdp=fsdp))
+        counts[sequence_parallel] = groups[2].run(_collectives)
+    for rank in range(2):
+        assert counts[False][rank] == {
+            "all_reduce": 2 * layers + 1,
+            "all_gather_into_tensor": 1,
+        }
+        assert counts[True][rank] == {
+            "reduce_scatter_tensor": 2 * layers + 1,
+            "all_gather_into_tensor": 2 * layers + 2,
+        }
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+def test_tensor_parallel_critic_equals_one_process(groups, tiny_tp, sequence_parallel) -> None:
+    """The scalar head stays whole on both ranks (under sequence parallelism it reads the
+    decoder's hidden states gathered whole); the split decoder under it gives the same loss
+    and gradient norm as one process."""
     batch, objective, loss, grad_norm = critic_case(tiny_tp, batch_seed=7, value_seed=6)
-    groups[2].build(config(tiny_tp, kind="scalar"), backend=TP2)
+    fsdp = FSDPConfig(tp_size=2, sequence_parallel=sequence_parallel)
+    groups[2].build(
+        config(tiny_tp, kind="scalar"), backend=functools.partial(FSDPBackend, fsdp=fsdp)
+    )
     out = groups[2].train_step(batch, objective, max_rows=2)
     assert out["loss"] == pytest.approx(loss, rel=1e-5)
     assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)

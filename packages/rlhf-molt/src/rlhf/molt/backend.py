@@ -159,7 +159,9 @@ class FSDPBackend:
         self.dp_rank = self.rank // tp
         mesh = init_device_mesh(self.device.type, (self.dp_size, tp), mesh_dim_names=("dp", "tp"))
         if tp > 1:
-            model = parallelize(model, mesh["tp"], flag="fsdp")
+            model = parallelize(
+                model, mesh["tp"], flag="fsdp", sequence_parallel=self.fsdp.sequence_parallel
+            )
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         options = {
             "mesh": mesh["dp"],

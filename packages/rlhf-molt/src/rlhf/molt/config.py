@@ -34,6 +34,10 @@ class FSDPConfig:
             only the compute-dtype copy: there ``false`` is faster (H200, one rank, bf16:
             tokens/s 0.86 → 0.98 of DeepSpeed ZeRO-2 at 0.5B, 1.22 with ``compile``;
             ``benchmarks/bench_molt.py``).
+        sequence_parallel: With ``tp_size`` > 1, split the residual stream (norms, the
+            activations between blocks) along the sequence over the tensor-parallel ranks
+            too: row-wise layers reduce-scatter instead of all-reducing and each block
+            all-gathers its input, so activations there shrink ``tp_size``-fold.
         compile: ``torch.compile`` each decoder layer's forward in place (parameter names
             unchanged; the analogue of DeepSpeed's deepcompile). The first step of each new
             shape pays the compilation (seconds per layer class), later ones run the fused
@@ -46,6 +50,7 @@ class FSDPConfig:
     offload: str = "none"
     param_dtype: str = "float32"
     reshard_after_forward: bool = True
+    sequence_parallel: bool = False
     compile: bool = False
 
     def validate(self, *, flag: str = "fsdp") -> FSDPConfig:
@@ -62,6 +67,11 @@ class FSDPConfig:
             value = getattr(self, name)
             if value < 1:
                 raise FSDPConfigError(f"--{flag}.{name} must be >= 1, got {value}")
+        if self.sequence_parallel and self.tp_size == 1:
+            raise FSDPConfigError(
+                f"--{flag}.sequence_parallel splits the sequence over the tensor-parallel "
+                f"ranks: it needs --{flag}.tp_size > 1 (set it, or drop sequence_parallel)"
+            )
         if self.cp_size != 1:
             raise FSDPConfigError(
                 f"--{flag}.cp_size {self.cp_size} is not available yet in the molt backend "

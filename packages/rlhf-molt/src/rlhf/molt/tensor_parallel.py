@@ -15,6 +15,13 @@ names to DTensor parallel styles; `parallelize` applies them to a model on the `
 - everything else (norms, a critic's scalar head) stays whole on every rank and sees the same
   inputs there, so its gradient is already the full one.
 
+With ``sequence_parallel`` (`sequence_parallel_styles`) the residual stream between the split
+layers is split along the sequence too: the norms (and whatever else sits on the residual) see
+``L / tp`` positions per rank, the row-wise layers reduce-scatter their output over the
+sequence instead of all-reducing it, and each attention and MLP block gathers the sequence
+back before its column-wise layers. The activations on the residual shrink ``tp``-fold; the
+decoder's last hidden states are gathered whole again for the heads.
+
 `grad_norm_and_clip` takes the global gradient norm over parameters that live on different
 meshes (data-parallel only, or data × tensor parallel), which one `clip_grad_norm_` refuses.
 """
@@ -137,9 +144,110 @@ def check_tensor_parallel(
             )
 
 
-def parallelize(model: torch.nn.Module, mesh: Any, *, flag: str) -> torch.nn.Module:
-    """Apply the model's plan (`tp_plan`) on the 1-D ``mesh``; returns the model, its split
-    layers holding DTensor parameters, a tied embedding tied again."""
+def _sequence_split_rowwise() -> Any:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+
+
+def _sequence_split_embedding(*, split: bool) -> Any:
+    """The input embedding's output as a sequence-split DTensor: a vocabulary-split (tied)
+    embedding reduce-scatters its lookups; a whole one keeps its slice of the positions."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
+
+    if split:
+        return RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
+    return PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+    )
+
+
+def _gather_sequence_style() -> Any:
+    """A style for a block whose first layers are column-wise: its hidden-state input (first
+    positional argument or ``hidden_states=``), split along the sequence, is all-gathered
+    into a replicated DTensor; the column-wise layers then give each rank its heads, and the
+    backward reduce-scatters the gradient."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def gather(value: Any) -> Any:
+        if isinstance(value, DTensor) and not value.placements[0].is_replicate():
+            return value.redistribute(placements=(Replicate(),))
+        return value
+
+    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (gather(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+        return args, kwargs
+
+    class GatherSequence(ParallelStyle):
+        def _apply(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            return module
+
+    return GatherSequence()
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("Norm")
+
+
+def sequence_parallel_styles(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, Any]:
+    """The `tp_plan` ``plan`` as DTensor styles with the sequence split between the blocks:
+    row-wise layers reduce-scatter over the sequence; the embedding's output is split; every
+    norm on the residual stream (direct children of a decoder layer and of the base model)
+    runs on its positions (``SequenceParallel``); each block holding a column-wise layer
+    (``layers.*.self_attn``, ``layers.*.mlp``) gathers its input first. Patterns keep
+    ``*`` for the layer index."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    styles: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        if style == "rowwise":
+            styles[pattern] = _sequence_split_rowwise()
+        elif style != "embedding_rowwise":
+            styles[pattern] = STYLES[style]()
+        if style == "colwise" and "." in pattern:
+            styles[pattern.rsplit(".", 1)[0]] = _gather_sequence_style()
+    embed_name = _module_name(model, model.get_input_embeddings())
+    styles[embed_name] = _sequence_split_embedding(
+        split=plan.get(embed_name) == "embedding_rowwise"
+    )
+    prefix, base = _base(model)
+    at = f"{prefix}." if prefix else ""
+    for name, child in base.named_children():
+        if _is_norm(child):
+            styles[f"{at}{name}"] = SequenceParallel(use_local_output=False)
+        if isinstance(child, torch.nn.ModuleList) and len(child):
+            for sub, grandchild in child[0].named_children():
+                if _is_norm(grandchild):
+                    styles[f"{at}{name}.*.{sub}"] = SequenceParallel(use_local_output=False)
+    return styles
+
+
+def _gather_last_hidden_state(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+    """Forward hook on the base model: its sequence-split last hidden states gathered into
+    one plain tensor (the same on every rank) for the heads."""
+    from torch.distributed.tensor import DTensor
+
+    hidden = getattr(output, "last_hidden_state", None)
+    if isinstance(hidden, DTensor):
+        output.last_hidden_state = hidden.full_tensor()
+    return output
+
+
+def parallelize(
+    model: torch.nn.Module, mesh: Any, *, flag: str, sequence_parallel: bool = False
+) -> torch.nn.Module:
+    """Apply the model's plan (`tp_plan`) on the 1-D ``mesh`` (with the sequence split
+    between blocks when ``sequence_parallel``, `sequence_parallel_styles`); returns the
+    model, its split layers holding DTensor parameters, a tied embedding tied again."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = tp_plan(model)
@@ -150,7 +258,12 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, flag: str) -> torch.nn.Mod
             f"backend does not translate (known: {sorted(STYLES)}); use tp_size 1"
         )
     tied = _tied_head(model) is not None
-    parallelize_module(model, mesh, {pattern: STYLES[style]() for pattern, style in plan.items()})
+    if sequence_parallel:
+        parallelize_module(model, mesh, sequence_parallel_styles(model, plan))
+        _base(model)[1].register_forward_hook(_gather_last_hidden_state)
+    else:
+        styles = {pattern: STYLES[style]() for pattern, style in plan.items()}
+        parallelize_module(model, mesh, styles)
     if tied:
         head = model.get_output_embeddings()
         head.weight = model.get_input_embeddings().weight

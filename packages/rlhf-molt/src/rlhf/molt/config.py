@@ -21,7 +21,9 @@ class FSDPConfig:
             adjacent ranks by its own plan (``base_model_tp_plan``); it must divide the
             role's ranks and the model's attention and key/value heads. The data-parallel
             degree is ranks / tp_size.
-        cp_size: Context-parallel degree (1; ring attention is GPU-only and not built yet).
+        cp_size: Context-parallel degree (only 1 yet: `rlhf.molt.ring_attention` computes
+            exact attention over a sequence split across ranks, but the model's attention
+            and the objectives do not run on split sequences yet).
         ep_size: Expert-parallel degree (reserved for MoE models; only 1).
         offload: ``none`` (everything on the device); ``optimizer`` (AdamW and float32
             masters on the host, `rlhf.molt.offload`); ``full`` (FSDP2's CPU offload: the
@@ -75,7 +77,7 @@ class FSDPConfig:
         if self.cp_size != 1:
             raise FSDPConfigError(
                 f"--{flag}.cp_size {self.cp_size} is not available yet in the molt backend "
-                "(context parallel needs GPU ring attention); set it to 1"
+                "(the sequence-split forward and objectives are not wired yet); set it to 1"
             )
         if self.ep_size != 1:
             raise FSDPConfigError(

@@ -135,10 +135,17 @@ def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage, option) ->
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_critic_step_is_exact_across_the_split(group, tiny, packing) -> None:
+def test_critic_step_is_exact_across_the_split(group, tiny, packing, tmp_path) -> None:
+    """A critic with a random score head (from a causal LM it would start at zero, leaving
+    the decoder's gradient zero and the values independent of it) takes the same step
+    split over 2 ranks as in one process."""
     from transformers import AutoModelForTokenClassification
 
-    ref = load_model(ModelConfig(path=str(tiny), kind="scalar"))
+    critic = load_model(ModelConfig(path=str(tiny), kind="scalar"))
+    with torch.no_grad():
+        critic.score.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
+    critic.save_pretrained(tmp_path)
+    ref = load_model(ModelConfig(path=str(tmp_path), kind="scalar"))
     assert isinstance(ref, AutoModelForTokenClassification._model_mapping[type(ref.config)])
     gen = torch.Generator().manual_seed(3)
     lm = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
@@ -152,8 +159,10 @@ def test_critic_step_is_exact_across_the_split(group, tiny, packing) -> None:
     )
     loss, _ = objective(ref, dataclasses.replace(batch, packing_samples=packing))
     loss.backward()
-    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in ref.parameters() if p.grad is not None))
-    group.build(config(tiny, stage=2, kind="scalar", packing=packing), backend=DeepSpeedBackend)
+    grads = [p.grad for p in ref.parameters() if p.grad is not None]
+    assert all(float(g.abs().max()) > 0 for g in grads)  # the decoder learns too
+    grad_norm = torch.sqrt(sum((g**2).sum() for g in grads))
+    group.build(config(tmp_path, stage=2, kind="scalar", packing=packing), backend=DeepSpeedBackend)
     out = group.train_step(batch, objective, max_rows=3 if packing else 1)
     assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)

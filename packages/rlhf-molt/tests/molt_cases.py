@@ -67,14 +67,23 @@ def sft_batch(tokenizer, n: int = 6):
     )
 
 
-def critic_case(path, *, batch_seed: int, value_seed: int):
-    """A clipped-value critic batch on the scalar model at ``path``, its objective, and the
-    one-process reference: ``(batch, objective, loss, grad_norm)``."""
+def critic_case(path, tmp, *, batch_seed: int, value_seed: int):
+    """A clipped-value critic on the model at ``path`` with a random score head (a critic
+    loaded from a causal LM starts with a zero head, whose step would leave the decoder's
+    gradient zero and the values independent of it), saved at ``tmp``; a batch, the
+    objective and the one-process reference: ``(tmp, batch, objective, loss, grad_norm)``."""
     from transformers import Qwen2ForCausalLM
 
     from rlhf.algos import AlgoConfig, loss_normalizer
     from rlhf.learner import CriticObjective, load_model
 
+    critic = load_model(ModelConfig(path=str(path), kind="scalar"))
+    with torch.no_grad():
+        critic.score.weight.normal_(
+            0.0, 0.5, generator=torch.Generator().manual_seed(value_seed + 1)
+        )
+    critic.save_pretrained(tmp)
+    path = tmp
     ref = load_model(ModelConfig(path=str(path), kind="scalar"))
     gen = torch.Generator().manual_seed(value_seed)
     batch = rl_batch(Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32), seed=batch_seed)
@@ -88,4 +97,5 @@ def critic_case(path, *, batch_seed: int, value_seed: int):
     loss, _ = objective(ref, batch)
     loss.backward()
     grads = [p.grad for p in ref.parameters() if p.grad is not None]
-    return batch, objective, loss.item(), torch.sqrt(sum((g**2).sum() for g in grads)).item()
+    assert all(float(g.abs().max()) > 0 for g in grads)  # the decoder learns too
+    return path, batch, objective, loss.item(), torch.sqrt(sum((g**2).sum() for g in grads)).item()

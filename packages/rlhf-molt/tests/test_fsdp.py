@@ -85,9 +85,11 @@ def test_ppo_actor_step_equals_one_process_and_deepspeed(group, tiny, option) ->
         )
 
 
-def test_critic_step_equals_one_process(group, tiny) -> None:
-    batch, objective, loss, grad_norm = critic_case(tiny, batch_seed=4, value_seed=3)
-    group.build(config(tiny, kind="scalar"), backend=MOLT)
+def test_critic_step_equals_one_process(group, tiny, tmp_path) -> None:
+    path, batch, objective, loss, grad_norm = critic_case(
+        tiny, tmp_path, batch_seed=4, value_seed=3
+    )
+    group.build(config(path, kind="scalar"), backend=MOLT)
     out = group.train_step(batch, objective, max_rows=1)
     assert out["loss"] == pytest.approx(loss, rel=1e-5)
     assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
@@ -172,7 +174,10 @@ def test_export_and_weight_stream_equal_the_full_state(group, tiny, tokenizer, t
 def test_options_not_available_are_refused_by_flag(group, tiny) -> None:
     for options, flag in [
         ({"tp_size": 0}, "--actor.fsdp.tp_size must be >= 1"),
-        ({"cp_size": 2}, "--actor.fsdp.cp_size 2"),
+        (
+            {"cp_size": 2, "tp_size": 2},
+            "--actor.fsdp.cp_size 2 with --actor.fsdp.tp_size 2: context and tensor",
+        ),
         ({"ep_size": 0}, "--actor.fsdp.ep_size must be >= 1"),
         ({"offload": "disk"}, "--actor.fsdp.offload must be one of"),
         ({"param_dtype": "float16"}, "--actor.fsdp.param_dtype must be one of"),

@@ -62,9 +62,11 @@ def _compare(_backend) -> dict[str, float]:
 
     chunk = L // size
     local = slice(rank * chunk, (rank + 1) * chunk)
-    mine = [t[:, :, local].clone().requires_grad_(True) for t in (q, k, v)]
+    # Leaves laid out (B, Lc, heads, D) and passed transposed, as attention layers do:
+    # the ring must cope with non-contiguous blocks.
+    mine = [t[:, :, local].transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v)]
     out, lse = ring_attention(
-        *mine,
+        *(t.transpose(1, 2) for t in mine),
         segment=segment[:, local],
         token_index=torch.arange(L)[local],
         group=dist.group.WORLD,
@@ -79,7 +81,7 @@ def _compare(_backend) -> dict[str, float]:
         "out": gap(out * keep, expected[:, :, local].detach() * keep),
         "finite": float(torch.isfinite(out).all() and torch.isfinite(lse).all()),
         **{
-            f"grad_{name}": gap(got.grad, ref.grad[:, :, local])
+            f"grad_{name}": gap(got.grad.transpose(1, 2), ref.grad[:, :, local])
             for name, got, ref in zip("qkv", mine, full, strict=True)
         },
     }

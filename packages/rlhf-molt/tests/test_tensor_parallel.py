@@ -138,15 +138,17 @@ def test_sequence_parallel_moves_the_sequence_once_per_block(groups, tiny_tp) ->
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
-def test_tensor_parallel_critic_equals_one_process(groups, tiny_tp, sequence_parallel) -> None:
+def test_tensor_parallel_critic_equals_one_process(
+    groups, tiny_tp, tmp_path, sequence_parallel
+) -> None:
     """The scalar head stays whole on both ranks (under sequence parallelism it reads the
     decoder's hidden states gathered whole); the split decoder under it gives the same loss
     and gradient norm as one process."""
-    batch, objective, loss, grad_norm = critic_case(tiny_tp, batch_seed=7, value_seed=6)
-    fsdp = FSDPConfig(tp_size=2, sequence_parallel=sequence_parallel)
-    groups[2].build(
-        config(tiny_tp, kind="scalar"), backend=functools.partial(FSDPBackend, fsdp=fsdp)
+    path, batch, objective, loss, grad_norm = critic_case(
+        tiny_tp, tmp_path, batch_seed=7, value_seed=6
     )
+    fsdp = FSDPConfig(tp_size=2, sequence_parallel=sequence_parallel)
+    groups[2].build(config(path, kind="scalar"), backend=functools.partial(FSDPBackend, fsdp=fsdp))
     out = groups[2].train_step(batch, objective, max_rows=2)
     assert out["loss"] == pytest.approx(loss, rel=1e-5)
     assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)

@@ -42,6 +42,7 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
     """What keeps ``role`` (flags ``--{flag}.*``) from building on its backend, each message
     naming the flag and what to do; empty when it can."""
     from rlhf.molt import FSDPConfigError
+    from rlhf.molt.config import check_context_parallel
 
     if role.backend not in BACKENDS:
         return [f"--{flag}.backend must be one of {', '.join(BACKENDS)}, got {role.backend!r}"]
@@ -58,6 +59,17 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
     except FSDPConfigError as exc:
         problems.append(str(exc))
     problems += _tensor_parallel_problems(role, flag=flag)
+    try:
+        check_context_parallel(
+            cp_size=role.fsdp.cp_size, world_size=role.num_ranks, flag=f"{flag}.fsdp"
+        )
+    except FSDPConfigError as exc:
+        problems.append(str(exc))
+    if role.fsdp.cp_size > 1 and (role.model.lora_rank or role.model.chunked_lm_head):
+        problems.append(
+            f"--{flag}.fsdp.cp_size with --{flag}.model.lora_rank or "
+            f"--{flag}.model.chunked_lm_head: not combined yet; use cp_size 1 for those"
+        )
     if role.model.lora_rank and role.fsdp.tp_size > 1:
         problems.append(
             f"--{flag}.model.lora_rank with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: LoRA "

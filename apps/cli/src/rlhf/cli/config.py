@@ -145,9 +145,9 @@ class RoleConfig:
         with ``offload``, DeepSpeed ZeRO-3 with its parameters on the CPU between uses (on
         the deepspeed backend whatever this role's is: parameter offload is DeepSpeed's; the
         logits path then, since ZeRO-3 shards the lm_head outside its forward). One
-        data-parallel replica: ``fsdp.tp_size`` ranks on molt (it stays split as this role
-        is), else 1."""
-        replica = self.fsdp.tp_size if self.backend == "molt" else 1
+        data-parallel replica: ``fsdp.tp_size`` × ``fsdp.cp_size`` ranks on molt (it stays
+        split as this role is), else 1."""
+        replica = self.fsdp.tp_size * self.fsdp.cp_size if self.backend == "molt" else 1
         role = dataclasses.replace(self, num_ranks=replica)
         if not offload:
             return role

@@ -45,11 +45,13 @@ def plan(config: RLConfig) -> list[str]:
 def trains_on(role: RoleConfig) -> str:
     """``ZeRO-<stage>`` (the deepspeed backend) or ``FSDP2 (molt, <param dtype>)``, with
     ``, dp <n> x tp <m>`` when the model is split over tensor-parallel ranks (``, sequence
-    parallel`` when the sequence is split too) and ``, compiled`` with ``fsdp.compile``."""
+    parallel`` when the sequence is split too), ``, dp <n> x cp <m>`` when each row's sequence
+    is split over context-parallel ranks, and ``, compiled`` with ``fsdp.compile``."""
     if role.backend == "molt":
-        tp = role.fsdp.tp_size
+        tp, cp = role.fsdp.tp_size, role.fsdp.cp_size
         mesh = f", dp {role.num_ranks // tp} x tp {tp}" if tp > 1 else ""
         mesh += ", sequence parallel" if tp > 1 and role.fsdp.sequence_parallel else ""
+        mesh += f", dp {role.num_ranks // cp} x cp {cp}" if cp > 1 else ""
         compiled = ", compiled" if role.fsdp.compile else ""
         return f"FSDP2 (molt, {role.fsdp.param_dtype}{mesh}{compiled})"
     return f"ZeRO-{role.deepspeed.zero_stage}"

@@ -1,9 +1,11 @@
-"""The FSDP2 implementation of `rlhf.learner.Backend` (data and tensor parallel; torch only).
+"""The FSDP2 implementation of `rlhf.learner.Backend` (data, tensor and context parallel).
 
 The role's ranks form a (dp, tp) mesh, tensor-parallel peers adjacent (ranks ``2k, 2k+1`` at
 ``tp_size`` 2): with ``tp_size`` > 1 the model is first split by its own plan
 (`rlhf.molt.tensor_parallel`), then sharded over ``dp``; tensor-parallel peers run the same
-rows (the driver deals micro-batches per data-parallel coordinate, `dp_rank`).
+rows (the driver deals micro-batches per data-parallel coordinate, `dp_rank`). With
+``cp_size`` > 1 (and ``tp_size`` 1) adjacent ranks split each row's sequence instead
+(`rlhf.molt.context_parallel`) and FSDP2 shards over all ranks.
 
 Each decoder layer (the classes a transformers model names in ``_no_split_modules``) is one
 FSDP2 unit, the rest of the model the root unit: a rank holds 1/dp of every parameter,
@@ -53,7 +55,8 @@ from rlhf.learner.forward import (
 )
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
-from rlhf.molt.config import FSDPConfig, FSDPConfigError
+from rlhf.molt.config import FSDPConfig, FSDPConfigError, check_context_parallel
+from rlhf.molt.context_parallel import shard_sequence
 from rlhf.molt.loading import build_on_meta, materialize_and_load, sharded_loading_refused
 from rlhf.molt.offload import HostAdamW
 from rlhf.molt.tensor_parallel import check_tensor_parallel, grad_norm_and_clip, parallelize
@@ -129,6 +132,11 @@ class FSDPBackend:
                 "--fsdp.tp_size with model.lora_rank: LoRA adapters are not split over "
                 "tensor-parallel ranks yet; use tp_size 1 (data parallel) for LoRA"
             )
+        if self.fsdp.cp_size > 1 and (config.model.lora_rank or config.model.chunked_lm_head):
+            raise FSDPConfigError(
+                "--fsdp.cp_size with model.lora_rank or model.chunked_lm_head: not combined "
+                "yet; use cp_size 1 for LoRA and the chunked lm_head"
+            )
         if config.model.chunked_lm_head and self.fsdp.tp_size > 1:
             raise FSDPConfigError(
                 "--fsdp.tp_size with model.chunked_lm_head: the chunked head reads the lm_head "
@@ -153,11 +161,21 @@ class FSDPBackend:
         slices) or ``whole`` (the full model in every rank's memory, then sharded)."""
         if model is None:
             model = load_model(config.model).to(shard_device, dtype=dtype)
-        tp = self.fsdp.tp_size
+        tp, cp = self.fsdp.tp_size, self.fsdp.cp_size
         check_tensor_parallel(model.config, tp_size=tp, world_size=self.world_size, flag="fsdp")
-        self.dp_size = self.world_size // tp
-        self.dp_rank = self.rank // tp
-        mesh = init_device_mesh(self.device.type, (self.dp_size, tp), mesh_dim_names=("dp", "tp"))
+        check_context_parallel(cp_size=cp, world_size=self.world_size, flag="fsdp")
+        self.dp_size = self.world_size // (tp * cp)
+        self.dp_rank = self.rank // (tp * cp)
+        if cp > 1:  # tp is 1 (validated): FSDP over every rank, the ring over cp neighbours
+            groups = init_device_mesh(
+                self.device.type, (self.dp_size, cp), mesh_dim_names=("dp", "cp")
+            )
+            model = shard_sequence(model, group=groups["cp"].get_group())
+            mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        else:
+            mesh = init_device_mesh(
+                self.device.type, (self.dp_size, tp), mesh_dim_names=("dp", "tp")
+            )
         if tp > 1:
             model = parallelize(
                 model, mesh["tp"], flag="fsdp", sequence_parallel=self.fsdp.sequence_parallel

@@ -21,9 +21,10 @@ class FSDPConfig:
             adjacent ranks by its own plan (``base_model_tp_plan``); it must divide the
             role's ranks and the model's attention and key/value heads. The data-parallel
             degree is ranks / tp_size.
-        cp_size: Context-parallel degree (only 1 yet: `rlhf.molt.ring_attention` computes
-            exact attention over a sequence split across ranks, but the model's attention
-            and the objectives do not run on split sequences yet).
+        cp_size: Context-parallel degree: each row's sequence is split over this many
+            adjacent ranks, attention exact through `rlhf.molt.ring_attention`
+            (`rlhf.molt.context_parallel`); it must divide the role's ranks (data parallel
+            = ranks / cp_size). Not combined with ``tp_size`` > 1 yet.
         ep_size: Expert-parallel degree (reserved for MoE models; only 1).
         offload: ``none`` (everything on the device); ``optimizer`` (AdamW and float32
             masters on the host, `rlhf.molt.offload`); ``full`` (FSDP2's CPU offload: the
@@ -74,10 +75,10 @@ class FSDPConfig:
                 f"--{flag}.sequence_parallel splits the sequence over the tensor-parallel "
                 f"ranks: it needs --{flag}.tp_size > 1 (set it, or drop sequence_parallel)"
             )
-        if self.cp_size != 1:
+        if self.cp_size > 1 and self.tp_size > 1:
             raise FSDPConfigError(
-                f"--{flag}.cp_size {self.cp_size} is not available yet in the molt backend "
-                "(the sequence-split forward and objectives are not wired yet); set it to 1"
+                f"--{flag}.cp_size {self.cp_size} with --{flag}.tp_size {self.tp_size}: context "
+                "and tensor parallelism are not combined yet; use one of the two"
             )
         if self.ep_size != 1:
             raise FSDPConfigError(
@@ -85,3 +86,12 @@ class FSDPConfig:
                 "which the molt backend does not train yet; set it to 1"
             )
         return self
+
+
+def check_context_parallel(*, cp_size: int, world_size: int, flag: str) -> None:
+    """Raise `FSDPConfigError` naming ``--{flag}.cp_size`` unless it divides the ranks."""
+    if cp_size > 1 and world_size % cp_size:
+        raise FSDPConfigError(
+            f"--{flag}.cp_size {cp_size} must divide the role's {world_size} rank(s) "
+            "(ranks = data parallel x context parallel); change the rank count or cp_size"
+        )

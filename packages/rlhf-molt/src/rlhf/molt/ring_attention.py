@@ -41,7 +41,7 @@ def _shift(tensor: Tensor, group: Any, *, forward: bool) -> Tensor:
         if forward
         else ((rank - 1) % size, (rank + 1) % size)
     )
-    received = torch.empty_like(tensor)
+    received = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     ops = [
         dist.P2POp(dist.isend, tensor.contiguous(), dist.get_global_rank(group, to), group),
         dist.P2POp(dist.irecv, received, dist.get_global_rank(group, frm), group),

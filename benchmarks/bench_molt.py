@@ -17,6 +17,7 @@ Usage: python benchmarks/bench_molt.py [--json out.json] [--size tiny|0.5B|1.5B]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -35,6 +36,13 @@ from bench_learner import H200_BF16_DENSE_FLOPS, SCALES, SHAPE, make_model, rl_b
 
 SHAPES = {"tiny": SHAPE, **SCALES}
 MODES = ("deepspeed", "molt-none", "molt-optimizer", "molt-full")
+DEEPSPEED_OFFLOAD = {
+    "deepspeed-offload": {"zero_stage": 2, "offload_optimizer": True},
+    "deepspeed-zero3-offload": {"zero_stage": 3, "offload_optimizer": True, "offload_params": True},
+}
+"""Further memory-ladder rungs (``--memory-modes``): DeepSpeed's own offload, torch AdamW on the
+host (ZeRO-2 with the optimizer offloaded; ZeRO-3 with parameters offloaded too)."""
+ALL_MODES = (*MODES, *DEEPSPEED_OFFLOAD)
 
 
 def _setup(
@@ -59,6 +67,9 @@ def _setup(
     )
     if mode == "deepspeed":
         return DeepSpeedBackend(config)
+    if mode in DEEPSPEED_OFFLOAD:
+        ds = DeepSpeedConfig(bf16=gpu, **DEEPSPEED_OFFLOAD[mode])
+        return DeepSpeedBackend(dataclasses.replace(config, deepspeed=ds))
     offload = mode.removeprefix("molt-")
     fsdp = FSDPConfig(
         param_dtype="bfloat16" if gpu else "float32", offload=offload, **(options or {})
@@ -140,17 +151,20 @@ def memory_child(model_dir: pathlib.Path, size: str, mode: str, micro_rows: int)
         "peak_gib": torch.cuda.max_memory_allocated() / gib,
         "resident_gib": torch.cuda.memory_allocated() / gib,
     }
-    moved = backend.offload_states(weights=True)
-    out["after_offload_states_gib"] = moved["allocated_gib_after"]
+    if mode not in DEEPSPEED_OFFLOAD:  # hybrid moves: ZeRO-1/2 without DeepSpeed's offload
+        moved = backend.offload_states(weights=True)
+        out["after_offload_states_gib"] = moved["allocated_gib_after"]
     print(json.dumps(out), flush=True)
 
 
-def bench_memory(model_dir: pathlib.Path, size: str, micro_rows: int) -> dict[str, Any]:
+def bench_memory(
+    model_dir: pathlib.Path, size: str, micro_rows: int, modes: list[str]
+) -> dict[str, Any]:
     out = {}
     # Each child makes its own single-process group: this process's rendezvous port is taken.
     rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {key: value for key, value in os.environ.items() if key not in rendezvous}
-    for mode in MODES:
+    for mode in modes:
         child = subprocess.run(
             [sys.executable, __file__, "--memory-child", mode, "--model-dir", str(model_dir),
              "--size", size, "--micro-rows", str(micro_rows)],
@@ -193,7 +207,13 @@ def main() -> None:
         help="an extra molt backend in the same rounds with these FSDPConfig fields "
         "(e.g. reshard_after_forward=false); repeatable",
     )
-    parser.add_argument("--memory-child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory-modes",
+        default=",".join(MODES),
+        help=f"comma-separated rungs of the memory ladder (of {', '.join(ALL_MODES)})",
+    )
+    parser.add_argument("--no-step", action="store_true", help="only the memory ladder")
+    parser.add_argument("--memory-child", choices=ALL_MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -205,13 +225,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = pathlib.Path(tmp) / "model"
         make_model(model_dir, SHAPES[args.size])
-        results["actor_step"] = bench_step(
-            model_dir, SHAPES[args.size], rounds=args.rounds, rows=rows, length=length,
-            micro_rows=args.micro_rows, variants=_variants(args.variant),
-        )  # fmt: skip
-        print("actor_step:", json.dumps(results["actor_step"]), flush=True)
+        if not args.no_step:
+            results["actor_step"] = bench_step(
+                model_dir, SHAPES[args.size], rounds=args.rounds, rows=rows, length=length,
+                micro_rows=args.micro_rows, variants=_variants(args.variant),
+            )  # fmt: skip
+            print("actor_step:", json.dumps(results["actor_step"]), flush=True)
         if gpu and not args.no_memory:
-            results["memory"] = bench_memory(model_dir, args.size, args.micro_rows)
+            modes = args.memory_modes.split(",")
+            results["memory"] = bench_memory(model_dir, args.size, args.micro_rows, modes)
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -89,6 +89,22 @@ def test_grpo_trains_with_the_sequence_split_over_context_parallel_ranks(assets,
     assert sorted(steps) == [1, 2] and all(r["actor/grad_norm"] > 0 for r in steps.values())
 
 
+def test_grpo_trains_with_ring_attention_on_deepspeed(assets, tmp_path) -> None:
+    """OpenRLHF's ``--actor.ring_attn_size 2`` on the DeepSpeed backend: each row's sequence
+    split over 2 ranks, the reference likewise; it trains and every sync is verified."""
+    out = rlhf(
+        "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=2),
+        "--actor.ring_attn_size", "2", "--actor.num_ranks", "2",
+        "--algo.kl.init_coef", "0.01", "--vllm.verify_sync", "full",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "actor 2 rank(s) ZeRO-2, dp 1 x ring 2" in out.stdout
+    placement = json.loads((tmp_path / "placement.json").read_text())
+    assert len(placement["ref"]["placement_group"]) == 2
+    steps = _steps(tmp_path)
+    assert sorted(steps) == [1, 2] and all(r["actor/grad_norm"] > 0 for r in steps.values())
+
+
 @pytest.mark.parametrize("backend", ["deepspeed", "molt"])
 def test_a_lora_actor_trains_and_syncs_merged_weights(assets, tmp_path, backend) -> None:
     """``--actor.model.lora_rank``: only the adapters train, every sync carries the base
@@ -179,6 +195,17 @@ def test_sft_trains_on_fsdp2(assets, tmp_path) -> None:
         (
             ["--actor.backend", "molt", "--actor.fsdp.cp_size", "2"],
             "--actor.fsdp.cp_size 2 must divide the role's 1 rank(s)",
+        ),
+        (
+            ["--actor.ring_attn_size", "2", "--actor.num_ranks", "3"],
+            "--actor.ring_attn_size 2 must divide the role's 3 rank(s)",
+        ),
+        (
+            [
+                *("--actor.backend", "molt", "--actor.ring_attn_size", "2"),
+                *("--actor.fsdp.cp_size", "4", "--actor.num_ranks", "4"),
+            ],
+            "--actor.ring_attn_size 2 and --actor.fsdp.cp_size disagree",
         ),
         (
             ["--actor.backend", "molt", "--actor.fsdp.sequence_parallel", "True"],

@@ -25,7 +25,7 @@ def _deepspeed(role: RoleConfig) -> Any:
 def _molt(role: RoleConfig) -> Any:
     from rlhf.molt import FSDPBackend
 
-    return functools.partial(FSDPBackend, fsdp=role.fsdp)
+    return functools.partial(FSDPBackend, fsdp=role.fsdp_options())
 
 
 BACKENDS: dict[str, Callable[[RoleConfig], Any]] = {"deepspeed": _deepspeed, "molt": _molt}
@@ -42,7 +42,6 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
     """What keeps ``role`` (flags ``--{flag}.*``) from building on its backend, each message
     naming the flag and what to do; empty when it can."""
     from rlhf.molt import FSDPConfigError
-    from rlhf.molt.config import check_context_parallel
 
     if role.backend not in BACKENDS:
         return [f"--{flag}.backend must be one of {', '.join(BACKENDS)}, got {role.backend!r}"]
@@ -52,24 +51,14 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
             f"--{flag}.model.lora_rank {role.model.lora_rank} needs PEFT, which is not "
             "installed: pip install 'rlhf-cli[cpu]' (or 'rlhf-cli[gpu]', or peft itself)"
         )
+    problems += _context_parallel_problems(role, flag=flag)
     if role.backend != "molt":
         return problems
     try:
-        role.fsdp.validate(flag=f"{flag}.fsdp")
+        role.fsdp_options().validate(flag=f"{flag}.fsdp")
     except FSDPConfigError as exc:
         problems.append(str(exc))
     problems += _tensor_parallel_problems(role, flag=flag)
-    try:
-        check_context_parallel(
-            cp_size=role.fsdp.cp_size, world_size=role.num_ranks, flag=f"{flag}.fsdp"
-        )
-    except FSDPConfigError as exc:
-        problems.append(str(exc))
-    if role.fsdp.cp_size > 1 and (role.model.lora_rank or role.model.chunked_lm_head):
-        problems.append(
-            f"--{flag}.fsdp.cp_size with --{flag}.model.lora_rank or "
-            f"--{flag}.model.chunked_lm_head: not combined yet; use cp_size 1 for those"
-        )
     if role.model.lora_rank and role.fsdp.tp_size > 1:
         problems.append(
             f"--{flag}.model.lora_rank with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: LoRA "
@@ -80,6 +69,34 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
             f"--{flag}.model.chunked_lm_head with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: "
             "the chunked head reads the lm_head whole, which tensor parallelism splits by "
             "vocabulary; use one of the two"
+        )
+    return problems
+
+
+def _context_parallel_problems(role: RoleConfig, *, flag: str) -> list[str]:
+    """``--{flag}.ring_attn_size`` (or the backend's ``deepspeed.ring_attn_size`` /
+    ``fsdp.cp_size``): one size, dividing the ranks, not with LoRA or the chunked lm_head."""
+    from rlhf.learner.context_parallel import check_group_size
+
+    own = "fsdp.cp_size" if role.backend == "molt" else "deepspeed.ring_attn_size"
+    if len(role.context_parallel_sizes()) > 1:
+        return [
+            f"--{flag}.ring_attn_size {role.ring_attn_size} and --{flag}.{own} disagree; "
+            "set one of them"
+        ]
+    cp = role.context_parallel
+    if cp == 1:
+        return []
+    problems = []
+    named = f"{flag}.ring_attn_size" if role.ring_attn_size > 1 else f"{flag}.{own}"
+    try:
+        check_group_size(cp, world_size=role.num_ranks, flag=named)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if role.model.lora_rank or role.model.chunked_lm_head:
+        problems.append(
+            f"--{named} with --{flag}.model.lora_rank or --{flag}.model.chunked_lm_head: "
+            "not combined yet; set it to 1 for those"
         )
     return problems
 

@@ -116,9 +116,13 @@ class RoleConfig:
             or ``molt`` (PyTorch FSDP2, the ``fsdp`` options); `rlhf.cli.backends`.
         deepspeed: ZeRO stage, offload, bf16 (``--actor.backend deepspeed``).
         fsdp: FSDP2 options (``--actor.backend molt``; Molt's ``--fsdp.*`` names).
-        num_ranks: Ranks (processes): data-parallel replicas x ``fsdp.tp_size`` on molt.
+        num_ranks: Ranks (processes): data-parallel replicas x ``fsdp.tp_size`` x the
+            context-parallel size.
         num_gpus_per_rank: GPUs per rank (0 on CPU).
         num_cpus_per_rank: CPUs each rank reserves in Ray.
+        ring_attn_size: Context parallel (OpenRLHF's name): each row's sequence split over
+            this many adjacent ranks, attention exact by ring attention; on either backend
+            (the same as ``deepspeed.ring_attn_size`` or ``fsdp.cp_size``, which it sets).
     """
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))
@@ -129,25 +133,43 @@ class RoleConfig:
     num_ranks: int = 1
     num_gpus_per_rank: float = 0.0
     num_cpus_per_rank: float = 1.0
+    ring_attn_size: int = 1
+
+    def context_parallel_sizes(self) -> set[int]:
+        """The context-parallel sizes set on this role's backend (more than one: they
+        conflict; none: 1)."""
+        own = self.fsdp.cp_size if self.backend == "molt" else self.deepspeed.ring_attn_size
+        return {self.ring_attn_size, own} - {1}
+
+    @property
+    def context_parallel(self) -> int:
+        """The context-parallel size (``ring_attn_size`` or the backend's own option)."""
+        return max(self.context_parallel_sizes(), default=1)
 
     def learner(self, *, seed: int, total_steps: int, train: bool = True) -> LearnerConfig:
         """The role for `rlhf.learner` (``train`` False: eval-only, no optimizer)."""
         optimizer = dataclasses.replace(self.optimizer, total_steps=max(total_steps, 1))
+        ring = self.context_parallel if self.backend == "deepspeed" else 1
         return LearnerConfig(
             model=self.model,
             optimizer=optimizer if train else None,
-            deepspeed=self.deepspeed,
+            deepspeed=dataclasses.replace(self.deepspeed, ring_attn_size=ring),
             seed=seed,
         )
+
+    def fsdp_options(self) -> FSDPConfig:
+        """The molt backend's options, ``ring_attn_size`` applied as ``cp_size``."""
+        return dataclasses.replace(self.fsdp, cp_size=self.context_parallel)
 
     def eval_only(self, *, offload: bool) -> RoleConfig:
         """A scoring role modelled on this one (the reference, the reward model): one rank;
         with ``offload``, DeepSpeed ZeRO-3 with its parameters on the CPU between uses (on
         the deepspeed backend whatever this role's is: parameter offload is DeepSpeed's; the
         logits path then, since ZeRO-3 shards the lm_head outside its forward). One
-        data-parallel replica: ``fsdp.tp_size`` × ``fsdp.cp_size`` ranks on molt (it stays
-        split as this role is), else 1."""
-        replica = self.fsdp.tp_size * self.fsdp.cp_size if self.backend == "molt" else 1
+        data-parallel replica: ``fsdp.tp_size`` × the context-parallel size ranks (it stays
+        split as this role is)."""
+        tp = self.fsdp.tp_size if self.backend == "molt" else 1
+        replica = tp * self.context_parallel
         role = dataclasses.replace(self, num_ranks=replica)
         if not offload:
             return role

@@ -46,15 +46,18 @@ def trains_on(role: RoleConfig) -> str:
     """``ZeRO-<stage>`` (the deepspeed backend) or ``FSDP2 (molt, <param dtype>)``, with
     ``, dp <n> x tp <m>`` when the model is split over tensor-parallel ranks (``, sequence
     parallel`` when the sequence is split too), ``, dp <n> x cp <m>`` when each row's sequence
-    is split over context-parallel ranks, and ``, compiled`` with ``fsdp.compile``."""
+    is split over context-parallel ranks, and ``, compiled`` with ``fsdp.compile``; on
+    DeepSpeed ``, dp <n> x ring <m>`` with ring attention."""
     if role.backend == "molt":
-        tp, cp = role.fsdp.tp_size, role.fsdp.cp_size
+        tp, cp = role.fsdp.tp_size, role.context_parallel
         mesh = f", dp {role.num_ranks // tp} x tp {tp}" if tp > 1 else ""
         mesh += ", sequence parallel" if tp > 1 and role.fsdp.sequence_parallel else ""
         mesh += f", dp {role.num_ranks // cp} x cp {cp}" if cp > 1 else ""
         compiled = ", compiled" if role.fsdp.compile else ""
         return f"FSDP2 (molt, {role.fsdp.param_dtype}{mesh}{compiled})"
-    return f"ZeRO-{role.deepspeed.zero_stage}"
+    cp = role.context_parallel
+    ring = f", dp {role.num_ranks // cp} x ring {cp}" if cp > 1 else ""
+    return f"ZeRO-{role.deepspeed.zero_stage}{ring}"
 
 
 def mode(t: TrainConfig) -> str:

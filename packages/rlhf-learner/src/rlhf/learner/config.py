@@ -127,18 +127,25 @@ class DeepSpeedConfig:
         offload_optimizer: Keep optimizer state (and its step) on the CPU.
         offload_params: Keep parameters on the CPU between uses (ZeRO-3 only).
         bf16: Run the model in bfloat16 with fp32 master weights.
+        ring_attn_size: Context-parallel group size: each row's sequence is split over this
+            many adjacent ranks, attention exact by ring attention
+            (`rlhf.learner.context_parallel`); it must divide the role's ranks (data
+            parallel = ranks / ring_attn_size).
     """
 
     zero_stage: int = 2
     offload_optimizer: bool = False
     offload_params: bool = False
     bf16: bool = False
+    ring_attn_size: int = 1
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("deepspeed.offload_params needs deepspeed.zero_stage=3")
+        if self.ring_attn_size < 1:
+            raise ValueError(f"deepspeed.ring_attn_size must be >= 1, got {self.ring_attn_size}")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from rlhf.learner import rank as shared
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
+from rlhf.learner.context_parallel import check_group_size, shard_sequence
 from rlhf.learner.export import write_hf_export
 from rlhf.learner.forward import check_chunked_lm_head, check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
@@ -89,6 +90,17 @@ class DeepSpeedBackend:
         self.config = config
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
+        cp = config.deepspeed.ring_attn_size
+        check_group_size(cp, world_size=self.world_size, flag="deepspeed.ring_attn_size")
+        if cp > 1 and (config.model.lora_rank or config.model.chunked_lm_head):
+            raise ValueError(
+                "deepspeed.ring_attn_size with model.lora_rank or model.chunked_lm_head: not "
+                "combined yet; use ring_attn_size 1 for those"
+            )
+        self.dp_size = self.world_size // cp
+        """Data-parallel replicas: the ranks / ``ring_attn_size`` (a ring's ranks run the
+        same rows, each on its block of the sequence)."""
+        self.dp_rank = self.rank // cp
         self.device = shared.rank_device()
         torch.manual_seed(config.seed)
         self._ds_config = ds_config(config)
@@ -98,6 +110,9 @@ class DeepSpeedBackend:
 
             self._hf_ds = HfDeepSpeedConfig(self._ds_config)  # must outlive the model build
         model = load_model(config.model)
+        if cp > 1:
+            ring, _ = torch.distributed.new_subgroups(group_size=cp)
+            model = shard_sequence(model, group=ring, flag="deepspeed.ring_attn_size")
         self.engine: Any = None
         self.scheduler: Any = None
         if config.optimizer is not None:
@@ -162,7 +177,7 @@ class DeepSpeedBackend:
             weights=weights,
             placed=self._placed,
             backward=lambda loss, w: engine.backward(
-                loss * (w * self.world_size), scale_wrt_gas=False
+                loss * (w * self.dp_size), scale_wrt_gas=False
             ),
         )
         engine.step()

@@ -5,7 +5,7 @@ The role's ranks form a (dp, tp) mesh, tensor-parallel peers adjacent (ranks ``2
 (`rlhf.molt.tensor_parallel`), then sharded over ``dp``; tensor-parallel peers run the same
 rows (the driver deals micro-batches per data-parallel coordinate, `dp_rank`). With
 ``cp_size`` > 1 (and ``tp_size`` 1) adjacent ranks split each row's sequence instead
-(`rlhf.molt.context_parallel`) and FSDP2 shards over all ranks.
+(`rlhf.learner.context_parallel`) and FSDP2 shards over all ranks.
 
 Each decoder layer (the classes a transformers model names in ``_no_split_modules``) is one
 FSDP2 unit, the rest of the model the root unit: a rank holds 1/dp of every parameter,
@@ -46,6 +46,7 @@ from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.checkpoint import CheckpointError
 from rlhf.learner.config import LearnerConfig
+from rlhf.learner.context_parallel import shard_sequence
 from rlhf.learner.export import write_hf_export
 from rlhf.learner.forward import (
     FORWARD_WITH_HEAD,
@@ -56,7 +57,6 @@ from rlhf.learner.forward import (
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt.config import FSDPConfig, FSDPConfigError, check_context_parallel
-from rlhf.molt.context_parallel import shard_sequence
 from rlhf.molt.loading import build_on_meta, materialize_and_load, sharded_loading_refused
 from rlhf.molt.offload import HostAdamW
 from rlhf.molt.tensor_parallel import check_tensor_parallel, grad_norm_and_clip, parallelize
@@ -170,7 +170,7 @@ class FSDPBackend:
             groups = init_device_mesh(
                 self.device.type, (self.dp_size, cp), mesh_dim_names=("dp", "cp")
             )
-            model = shard_sequence(model, group=groups["cp"].get_group())
+            model = shard_sequence(model, group=groups["cp"].get_group(), flag="fsdp.cp_size")
             mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         else:
             mesh = init_device_mesh(

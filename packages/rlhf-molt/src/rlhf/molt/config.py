@@ -22,8 +22,8 @@ class FSDPConfig:
             role's ranks and the model's attention and key/value heads. The data-parallel
             degree is ranks / tp_size.
         cp_size: Context-parallel degree: each row's sequence is split over this many
-            adjacent ranks, attention exact through `rlhf.molt.ring_attention`
-            (`rlhf.molt.context_parallel`); it must divide the role's ranks (data parallel
+            adjacent ranks, attention exact through `rlhf.learner.ring_attention`
+            (`rlhf.learner.context_parallel`); it must divide the role's ranks (data parallel
             = ranks / cp_size). Not combined with ``tp_size`` > 1 yet.
         ep_size: Expert-parallel degree (reserved for MoE models; only 1).
         offload: ``none`` (everything on the device); ``optimizer`` (AdamW and float32
@@ -90,8 +90,9 @@ class FSDPConfig:
 
 def check_context_parallel(*, cp_size: int, world_size: int, flag: str) -> None:
     """Raise `FSDPConfigError` naming ``--{flag}.cp_size`` unless it divides the ranks."""
-    if cp_size > 1 and world_size % cp_size:
-        raise FSDPConfigError(
-            f"--{flag}.cp_size {cp_size} must divide the role's {world_size} rank(s) "
-            "(ranks = data parallel x context parallel); change the rank count or cp_size"
-        )
+    from rlhf.learner.context_parallel import check_group_size
+
+    try:
+        check_group_size(cp_size, world_size=world_size, flag=f"{flag}.cp_size")
+    except ValueError as exc:
+        raise FSDPConfigError(str(exc)) from None

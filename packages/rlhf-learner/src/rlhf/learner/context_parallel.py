@@ -7,7 +7,7 @@ attention implementation:
   (B, L) with ``attention_mask`` for padded rows, or ``position_ids`` restarting at 0 per
   sample for packed ones) is padded to a multiple of ``cp`` and cut into ``cp`` contiguous
   blocks; rank ``c`` runs block ``c`` with its global position ids;
-- in every attention layer: `rlhf.molt.ring_attention` over the blocks (a query attends the
+- in every attention layer: `rlhf.learner.ring_attention` over the blocks (a query attends the
   earlier keys of its own sample, on any rank), instead of the model's attention;
 - after the decoder: the blocks' last hidden states are gathered into (B, L, hidden) on
   every rank, differentiably, so every head (lm_head, a critic's or reward model's score,
@@ -18,8 +18,12 @@ The decoder's activations shrink ``cp``-fold; the heads and objectives run whole
 
 Gradients: each rank's loss is the full loss; the gather's backward sums the ``cp`` equal
 gradients of each block's hidden states onto the rank that computed it (``cp`` × the true
-one), which FSDP's mean over the ``dp × cp`` ranks divides back out. The backend scales the
-loss by ``dp_size`` (the data-parallel replicas) exactly as without context parallelism.
+one), which the backend's mean over the ``dp × cp`` ranks (FSDP2's, DeepSpeed's) divides back
+out. The backend scales the loss by ``dp_size`` (the data-parallel replicas) exactly as
+without context parallelism.
+
+Used by both backends: the molt backend's ``fsdp.cp_size`` and the DeepSpeed backend's
+``deepspeed.ring_attn_size``.
 """
 
 from __future__ import annotations
@@ -29,8 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.molt.config import FSDPConfigError
-from rlhf.molt.ring_attention import ring_attention
+from rlhf.learner.ring_attention import ring_attention
 
 ATTENTION = "molt_ring"
 """The name the ring attention is registered under in transformers' attention interface."""
@@ -115,24 +118,34 @@ def _segments(
     return segment, position_ids
 
 
-def _base(model: torch.nn.Module) -> torch.nn.Module:
+def check_group_size(size: int, *, world_size: int, flag: str) -> None:
+    """Raise ValueError naming ``--{flag}`` unless the context-parallel group size divides
+    the role's ranks."""
+    if size < 1 or world_size % size:
+        raise ValueError(
+            f"--{flag} {size} must divide the role's {world_size} rank(s) (ranks = data "
+            f"parallel x context parallel); change the rank count or {flag.rsplit('.', 1)[-1]}"
+        )
+
+
+def _base(model: torch.nn.Module, flag: str) -> torch.nn.Module:
     prefix = str(getattr(model, "base_model_prefix", "") or "")
     inner = getattr(model, prefix, None) if prefix else None
     if not isinstance(inner, torch.nn.Module):
-        raise FSDPConfigError(
-            f"--fsdp.cp_size: {type(model).__name__} has no base decoder model to split along "
-            "the sequence; use cp_size 1"
+        raise ValueError(
+            f"--{flag}: {type(model).__name__} has no base decoder model to split along the "
+            "sequence; set it to 1"
         )
     return inner
 
 
-def shard_sequence(model: torch.nn.Module, *, group: Any) -> torch.nn.Module:
+def shard_sequence(model: torch.nn.Module, *, group: Any, flag: str) -> torch.nn.Module:
     """Run ``model``'s decoder on this rank's block of the sequence over ``group`` (see the
-    module docstring); returns the model."""
+    module docstring; ``flag`` names the option in errors); returns the model."""
     import torch.distributed as dist
 
     _register()
-    base = _base(model)
+    base = _base(model, flag)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     context: dict[str, Any] = {"group": group}
     for module in base.modules():

@@ -189,6 +189,32 @@ def test_bad_configs_and_data_name_the_flag(assets, tmp_path, args, message) -> 
     assert message in out.stderr
 
 
+def test_every_problem_is_listed_at_once_before_anything_starts(assets, tmp_path) -> None:
+    """Out-of-range sizes and sampling values (a ZeroDivisionError, a run that trains
+    nothing, or a failure after start-up before) are all named in one message, exit 2,
+    before Ray or any role starts."""
+    out = rlhf(
+        "train", "grpo", "--actor.model.path", str(assets["model"]),
+        "--data.prompt_data", str(assets["train"]), "--run_dir", str(tmp_path),
+        "--rollout.n_samples_per_prompt", "0", "--train.ppo_epochs", "0",
+        "--rollout.temperature", "0", "--rollout.top_p", "1.5", "--eval.n_samples", "0",
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
+    expected = [
+        "5 problems in the configuration:",
+        "  - --rollout.n_samples_per_prompt must be >= 1, got 0",
+        "  - --train.ppo_epochs must be >= 1, got 0",
+        "  - --eval.n_samples must be >= 1, got 0",
+        "  - --rollout.temperature must be > 0, got 0.0",
+        "  - --rollout.top_p must be in (0, 1], got 1.5",
+    ]
+    for line in expected:
+        assert line in out.stderr
+    assert not (tmp_path / "placement.json").exists()
+    assert "Traceback" not in out.stderr
+
+
 def test_unknown_flag_is_refused() -> None:
     out = rlhf("train", "grpo", "--rollout.n_samples", "4", timeout=120)
     assert out.returncode == 2 and "n_samples" in out.stderr

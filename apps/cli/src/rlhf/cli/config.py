@@ -348,8 +348,56 @@ class RLConfig:
         return self.algo.kl.init_coef > 0
 
     def validate(self) -> RLConfig:
-        """Raise `ConfigError` naming the flags of the first invalid combination."""
-        checks = [
+        """Raise `ConfigError` listing every invalid value and combination, each naming its
+        flags (checked before anything starts)."""
+        problems = self._backend_problems() + self._range_problems()
+        if not problems:  # the combinations below assume the ranges hold
+            problems = [message for bad, message in self._combination_checks() if bad]
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        if problems:
+            listed = "\n".join(f"  - {message}" for message in problems)
+            raise ConfigError(f"{len(problems)} problems in the configuration:\n{listed}")
+        return self
+
+    def _range_problems(self) -> list[str]:
+        """Sizes, counts and sampling parameters out of their range (``ZeroDivisionError``s
+        and silent no-op runs otherwise)."""
+        r, t, e = self.rollout, self.train, self.eval
+        at_least = {
+            "--rollout.batch_size": (r.batch_size, 1),
+            "--rollout.n_samples_per_prompt": (r.n_samples_per_prompt, 1),
+            "--rollout.max_new_tokens": (r.max_new_tokens, 1),
+            "--rollout.max_len": (r.max_len, 2),
+            "--train.ppo_epochs": (t.ppo_epochs, 1),
+            "--train.batch_size": (t.batch_size, 0),
+            "--train.max_tokens_per_micro_batch": (t.max_tokens_per_micro_batch, 0),
+            "--eval.steps": (e.steps, 0),
+            "--eval.n_samples": (e.n_samples, 1),
+            "--eval.max_prompts": (e.max_prompts, 1),
+            "--actor.num_ranks": (self.actor.num_ranks, 1),
+            "--critic.num_ranks": (self.critic.num_ranks, 1),
+        }
+        problems = [
+            f"{flag} must be >= {low}, got {value}"
+            for flag, (value, low) in at_least.items()
+            if value < low
+        ]
+        if not r.temperature > 0:
+            problems.append(
+                f"--rollout.temperature must be > 0, got {r.temperature} (the learner scores "
+                "samples at this temperature; for greedy evaluation use --eval.temperature 0)"
+            )
+        if e.temperature < 0:
+            problems.append(f"--eval.temperature must be >= 0, got {e.temperature}")
+        if not 0 < r.top_p <= 1:
+            problems.append(f"--rollout.top_p must be in (0, 1], got {r.top_p}")
+        if r.top_k != -1 and r.top_k < 1:
+            problems.append(f"--rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
+        return problems
+
+    def _combination_checks(self) -> list[tuple[bool, str]]:
+        return [
             (not self.actor.model.path, "--actor.model.path is required"),
             (not self.data.prompt_data, "--data.prompt_data is required"),
             (
@@ -469,20 +517,13 @@ class RLConfig:
                 "--critic.model.chunked_lm_head: the critic has a value head, not an lm_head",
             ),
         ]
-        self._check_backends()  # first: the generic checks below speak of DeepSpeed's options
-        for bad, message in checks:
-            if bad:
-                raise ConfigError(message)
-        return self
 
-    def _check_backends(self) -> None:
+    def _backend_problems(self) -> list[str]:
+        """What keeps the actor (and critic) from building on their backends."""
         from rlhf.cli.backends import role_problems
 
         roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.uses_critic else [])
-        for flag, role in roles:
-            problems = role_problems(role, flag=flag)
-            if problems:
-                raise ConfigError("; ".join(problems))
+        return [problem for flag, role in roles for problem in role_problems(role, flag=flag)]
 
     def model_dirs(self) -> list[str]:
         """Every model directory the run loads (checked before anything starts)."""

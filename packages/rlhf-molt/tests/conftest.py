@@ -67,3 +67,14 @@ def ray_cluster():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def groups(ray_cluster):
+    """Rank groups of 2 and 4 (one set per test module)."""
+    from rlhf.learner import LearnerGroup
+
+    made = {ranks: LearnerGroup(num_ranks=ranks, num_cpus_per_rank=0.5) for ranks in (2, 4)}
+    yield made
+    for g in made.values():
+        g.shutdown()

@@ -99,3 +99,34 @@ def critic_case(path, tmp, *, batch_seed: int, value_seed: int):
     grads = [p.grad for p in ref.parameters() if p.grad is not None]
     assert all(float(g.abs().max()) > 0 for g in grads)  # the decoder learns too
     return path, batch, objective, loss.item(), torch.sqrt(sum((g**2).sum() for g in grads)).item()
+
+
+def clipped_ppo_case(path, *, lr: float, eps: float, packing: bool = False):
+    """A PPO actor batch (KL loss, entropy bonus) on the model at ``path`` and the reference
+    step in this process with the gradient clipped to half its norm:
+    ``(model after the step, batch, objective, config with that clip, loss, grad_norm)``."""
+    import dataclasses
+
+    from transformers import Qwen2ForCausalLM
+
+    from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
+    from rlhf.learner import PPOActorObjective
+    from rlhf.learner.optim import build_optimizer
+
+    model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = rl_batch(model, seed=5)
+    algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
+    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
+    objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
+    loss, _ = objective(model, batch)
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
+    cfg = config(path, packing=packing, lr=lr, eps=eps)
+    cfg = dataclasses.replace(
+        cfg, optimizer=dataclasses.replace(cfg.optimizer, grad_clip=grad_norm / 2)
+    )
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_norm / 2)
+    optimizer.step()
+    scheduler.step()
+    return model, batch, objective, cfg, loss.item(), grad_norm

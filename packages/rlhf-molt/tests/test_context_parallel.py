@@ -8,31 +8,18 @@ gradient off by d moves a weight by at most ``lr * d``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
 
-from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
-from rlhf.learner import LearnerGroup, PPOActorObjective
-from rlhf.learner.optim import build_optimizer
 from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
 from rlhf.molt.config import check_context_parallel
 
-from .molt_cases import config, critic_case, full_state, rl_batch
+from .molt_cases import clipped_ppo_case, config, critic_case, full_state
 
 CP2 = functools.partial(FSDPBackend, fsdp=FSDPConfig(cp_size=2))
 LR, EPS = 0.1, 1.0
-
-
-@pytest.fixture(scope="module")
-def groups(ray_cluster):
-    made = {ranks: LearnerGroup(num_ranks=ranks, num_cpus_per_rank=0.5) for ranks in (2, 4)}
-    yield made
-    for g in made.values():
-        g.shutdown()
 
 
 def _attention(backend) -> tuple[str, int, int]:
@@ -50,22 +37,9 @@ def test_context_parallel_step_equals_one_process(groups, tiny_tp, ranks, packin
     ≤ 16 packed tokens (samples crossing the block boundary), split over cp 2 (and dp 2),
     the gradient clipped to half its norm: loss, gradient norm and every parameter equal one
     full-batch step."""
-    model = Qwen2ForCausalLM.from_pretrained(tiny_tp, dtype=torch.float32)
-    batch = rl_batch(model, seed=5)
-    algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
-    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
-    objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
-    loss, _ = objective(model, batch)
-    loss.backward()
-    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
-    cfg = config(tiny_tp, packing=packing, lr=LR, eps=EPS)
-    cfg = dataclasses.replace(
-        cfg, optimizer=dataclasses.replace(cfg.optimizer, grad_clip=grad_norm / 2)
+    model, batch, objective, cfg, loss, grad_norm = clipped_ppo_case(
+        tiny_tp, lr=LR, eps=EPS, packing=packing
     )
-    optimizer, scheduler = build_optimizer(model, cfg.optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_norm / 2)
-    optimizer.step()
-    scheduler.step()
 
     group = groups[ranks]
     group.build(cfg, backend=CP2)
@@ -73,7 +47,7 @@ def test_context_parallel_step_equals_one_process(groups, tiny_tp, ranks, packin
     assert group.run(_attention) == [("molt_ring", r // 2, dp) for r in range(ranks)]
     split = {"max_tokens": 16} if packing else {"max_rows": 2}
     out = group.train_step(batch, objective, **split)
-    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert out["loss"] == pytest.approx(loss, rel=1e-5)
     assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     state = full_state(group)
     for name, param in model.named_parameters():

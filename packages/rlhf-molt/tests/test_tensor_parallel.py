@@ -11,31 +11,21 @@ matmuls, ~1e-7) moves it by at most ``lr * d``; with the default ``eps`` the upd
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
 import torch
 from transformers import AutoConfig, Qwen2ForCausalLM
 
-from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
+from rlhf.algos import AlgoConfig
 from rlhf.learner import LearnerGroup, PPOActorObjective
-from rlhf.learner.optim import build_optimizer
 from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
 from rlhf.molt.tensor_parallel import check_tensor_parallel
 
-from .molt_cases import config, critic_case, full_state, rl_batch
+from .molt_cases import clipped_ppo_case, config, critic_case, full_state, rl_batch
 
 TP2 = functools.partial(FSDPBackend, fsdp=FSDPConfig(tp_size=2))
 LR, EPS = 0.1, 1.0
-
-
-@pytest.fixture(scope="module")
-def groups(ray_cluster):
-    made = {ranks: LearnerGroup(num_ranks=ranks, num_cpus_per_rank=0.5) for ranks in (2, 4)}
-    yield made
-    for g in made.values():
-        g.shutdown()
 
 
 def _layout(backend) -> dict[str, object]:
@@ -66,22 +56,7 @@ def test_tensor_parallel_step_equals_one_process(
     to half its norm, AdamW on the device or on the host, the sequence split between blocks
     or not (padded lengths 7–11: odd ones split unevenly): loss, gradient norm and every
     parameter equal one full-batch step."""
-    model = Qwen2ForCausalLM.from_pretrained(tiny_tp, dtype=torch.float32)
-    batch = rl_batch(model, seed=5)
-    algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
-    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
-    objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
-    loss, _ = objective(model, batch)
-    loss.backward()
-    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
-    cfg = config(tiny_tp, lr=LR, eps=EPS)
-    cfg = dataclasses.replace(
-        cfg, optimizer=dataclasses.replace(cfg.optimizer, grad_clip=grad_norm / 2)
-    )
-    optimizer, scheduler = build_optimizer(model, cfg.optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_norm / 2)
-    optimizer.step()
-    scheduler.step()
+    model, batch, objective, cfg, loss, grad_norm = clipped_ppo_case(tiny_tp, lr=LR, eps=EPS)
 
     group = groups[ranks]
     fsdp = FSDPConfig(tp_size=2, offload=offload, sequence_parallel=sequence_parallel)
@@ -96,7 +71,7 @@ def test_tensor_parallel_step_equals_one_process(
         assert lay["q_proj"] == ("dp", "tp") and lay["norm"] == norm_mesh
     assert len(group.split(batch, max_rows=2)) == dp
     out = group.train_step(batch, objective, max_rows=2)
-    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert out["loss"] == pytest.approx(loss, rel=1e-5)
     assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     state = full_state(group)
     assert state.keys() == dict(model.named_parameters()).keys()

@@ -82,5 +82,9 @@ def test_a_disaggregated_run_reports_no_shared_group(assets, tmp_path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     placement = json.loads((tmp_path / "placement.json").read_text())
-    assert placement["actor"] == {"bundles": None, "placement_group": [None]}
-    assert placement["engines"] == {"bundles": None, "placement_group": [None]}
+    for role in ("actor", "engines"):
+        assert placement[role]["bundles"] is None and placement[role]["placement_group"] == [None]
+        assert placement[role]["node_spec"] == "any node"
+    # Each process reports its Ray node: the local cluster's one node.
+    (node,) = placement["actor"]["nodes"]
+    assert placement["engines"]["nodes"] == [node] and len(node) == 56

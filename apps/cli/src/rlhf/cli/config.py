@@ -9,6 +9,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from rlhf.algos import AlgoConfig
+from rlhf.cli.nodes import NodeSpec, NodeSpecError
 from rlhf.learner import DeepSpeedConfig, LearnerConfig, ModelConfig, OptimizerConfig
 from rlhf.molt import FSDPConfig
 from rlhf.rollout import EngineOptions
@@ -90,6 +91,8 @@ class VllmConfig(EngineOptions):
             bucket), ``full`` (every weight, through the engine's own kernels) or ``off``;
             ``True`` / ``False`` mean ``full`` / ``off``.
         num_cpus: CPUs each engine actor reserves in Ray.
+        node: The Ray nodes the engines may run on (`rlhf.cli.nodes`: empty for any,
+            ``spread``, node labels ``key=value[,key=value]`` or a node id).
         enable_sleep: Under ``--train.colocate_all`` on GPUs, the engines sleep while the
             learners work (vLLM sleep mode, level 1: weights to host memory, KV cache freed)
             and wake for the sync and generation (OpenRLHF's ``--vllm_enable_sleep``). True:
@@ -102,6 +105,7 @@ class VllmConfig(EngineOptions):
     num_engines: int = 1
     verify_sync: str = "cheap"
     num_cpus: float = 1.0
+    node: str = ""
     enable_sleep: bool | None = None
 
 
@@ -123,6 +127,9 @@ class RoleConfig:
         ring_attn_size: Context parallel (OpenRLHF's name): each row's sequence split over
             this many adjacent ranks, attention exact by ring attention; on either backend
             (the same as ``deepspeed.ring_attn_size`` or ``fsdp.cp_size``, which it sets).
+        node: The Ray nodes the role's ranks may run on (`rlhf.cli.nodes`: empty for any,
+            ``spread``, node labels ``key=value[,key=value]`` or a node id); the reference
+            and the reward model follow the actor's.
     """
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))
@@ -134,6 +141,7 @@ class RoleConfig:
     num_gpus_per_rank: float = 0.0
     num_cpus_per_rank: float = 1.0
     ring_attn_size: int = 1
+    node: str = ""
 
     def context_parallel_sizes(self) -> set[int]:
         """The context-parallel sizes set on this role's backend (more than one: they
@@ -311,6 +319,22 @@ class CkptConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """The Ray cluster the command runs on (flags ``--ray.*``).
+
+    Attributes:
+        address: Join the running Ray cluster at this address and never start one:
+            ``host:port`` of its head (GCS), ``auto`` (the cluster ``ray start`` began on this
+            machine) or ``ray://host:port`` (Ray client). Empty: ``RAY_ADDRESS`` when it is set
+            (``ray job submit`` sets it for the job), otherwise a local cluster for this run.
+            On a cluster every node needs the packages and sees the model paths and run
+            directory at the same path.
+    """
+
+    address: str = ""
+
+
+@dataclass(frozen=True)
 class RLConfig:
     """``rlhf train <algorithm>``.
 
@@ -325,6 +349,7 @@ class RLConfig:
         train: The loop.
         eval: Evaluation.
         ckpt: Checkpoints.
+        ray: The Ray cluster (a local one, or one to join).
     """
 
     run_dir: str = "runs/rl"
@@ -337,6 +362,7 @@ class RLConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     @property
     def uses_critic(self) -> bool:
@@ -350,7 +376,7 @@ class RLConfig:
     def validate(self) -> RLConfig:
         """Raise `ConfigError` listing every invalid value and combination, each naming its
         flags (checked before anything starts)."""
-        problems = self._backend_problems() + self._range_problems()
+        problems = self._backend_problems() + self._range_problems() + self._node_problems()
         if not problems:  # the combinations below assume the ranges hold
             problems = [message for bad, message in self._combination_checks() if bad]
         if len(problems) == 1:
@@ -395,6 +421,68 @@ class RLConfig:
         if r.top_k != -1 and r.top_k < 1:
             problems.append(f"--rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
         return problems
+
+    def role_nodes(self) -> dict[str, tuple[str, NodeSpec]]:
+        """Per role, the flag whose node spec it follows and that spec: the reference and
+        the reward model follow ``--actor.node`` (the reward model ``--critic.node`` when
+        ``--train.colocate_critic_reward`` puts it beside the critic).
+
+        Raises:
+            NodeSpecError: a spec that does not parse, naming its flag.
+        """
+        parse = {flag: (flag, NodeSpec.parse(text, flag=flag)) for flag, text in self._nodes()}
+        actor, critic = parse["--actor.node"], parse["--critic.node"]
+        return {
+            "actor": actor,
+            "ref": actor,
+            "critic": critic,
+            "reward_model": critic if self.train.colocate_critic_reward else actor,
+            "engines": parse["--vllm.node"],
+        }
+
+    def _nodes(self) -> tuple[tuple[str, str], ...]:
+        return (
+            ("--actor.node", self.actor.node),
+            ("--critic.node", self.critic.node),
+            ("--vllm.node", self.vllm.node),
+        )
+
+    def _node_problems(self) -> list[str]:
+        """Node specs that do not parse, or that colocated roles contradict."""
+        problems = []
+        for flag, text in self._nodes():
+            try:
+                NodeSpec.parse(text, flag=flag)
+            except NodeSpecError as e:
+                problems.append(str(e))
+        if problems or not self.train.colocate_all:
+            return problems
+        nodes = self.role_nodes()
+        actor = nodes["actor"][1]
+        others = ["engines"] + (["critic"] if self.uses_critic else [])
+        for role in others:
+            flag, spec = nodes[role]
+            if spec and actor and spec != actor:
+                problems.append(
+                    f"--train.colocate_all puts every role's rank i in one bundle, on one node: "
+                    f"{flag} {spec.describe()} contradicts --actor.node {actor.describe()} "
+                    "(set one of them, or both alike)"
+                )
+        return problems
+
+    def with_absolute_paths(self) -> RLConfig:
+        """This config with ``run_dir`` and the model directories that exist here made
+        absolute: Ray workers (on another node, or started by a cluster this run joined)
+        do not share this process's working directory."""
+        return replace(
+            self,
+            **{
+                "run_dir": str(pathlib.Path(self.run_dir).resolve()),
+                "actor.model.path": absolute_path(self.actor.model.path),
+                "critic.model.path": absolute_path(self.critic.model.path),
+                "train.reward_model_path": absolute_path(self.train.reward_model_path),
+            },
+        )
 
     def _combination_checks(self) -> list[tuple[bool, str]]:
         return [
@@ -563,6 +651,11 @@ class RLConfig:
         samples = self.rollout.batch_size * self.rollout.n_samples_per_prompt
         per_step = self.train.batch_size or samples
         return self.train.ppo_epochs * -(-samples // per_step)
+
+
+def absolute_path(path: str) -> str:
+    """``path`` made absolute when it names something here (else as given: a hub id)."""
+    return str(pathlib.Path(path).resolve()) if path and pathlib.Path(path).exists() else path
 
 
 def replace(config: RLConfig, **changes: object) -> RLConfig:

@@ -14,9 +14,12 @@ its own. `plan_bundles` is the pure layout; `place` creates the groups on the ru
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from typing import Any
 
-from rlhf.cli.config import RLConfig
+from rlhf.cli.config import ConfigError, RLConfig, RoleConfig
+from rlhf.cli.nodes import NodeSpec, unmatched
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +94,21 @@ def describe(layouts: list[GroupLayout]) -> str:
 @dataclasses.dataclass
 class Placement:
     """Ray scheduling of every role: ``scheduling[role]`` holds one strategy per process
-    (None: the role reserves resources of its own); ``gpus[role]`` overrides its GPUs per
-    process where it shares a GPU."""
+    (None: the role reserves resources of its own, on the nodes ``nodes[role]`` allows);
+    ``gpus[role]`` overrides its GPUs per process where it shares a GPU."""
 
     layouts: list[GroupLayout]
     scheduling: dict[str, list[Any]]
     gpus: dict[str, float]
     groups: list[Any]
+    nodes: dict[str, NodeSpec] = dataclasses.field(default_factory=dict)
+
+    def strategies(self, role: str, processes: int) -> list[Any] | None:
+        """One Ray scheduling strategy per process of ``role`` (None: Ray's default)."""
+        if role in self.scheduling:
+            return self.scheduling[role]
+        spec = self.nodes.get(role)
+        return [spec.strategy()] * processes if spec else None
 
     def where(self, role: str) -> list[str] | None:
         """``group/bundle`` of each process of ``role``, or None when it is on its own."""
@@ -120,12 +131,40 @@ class Placement:
         self.groups = []
 
 
+def describe_nodes(config: RLConfig) -> str | None:
+    """The plan's line on nodes, when any role names them."""
+    running = _ranks(config)
+    specs = {role: spec for role, (_, spec) in config.role_nodes().items() if role in running}
+    if not any(specs.values()):
+        return None
+    return "nodes: " + ", ".join(f"{role} {spec.describe()}" for role, spec in specs.items())
+
+
+def _group_node(layout: GroupLayout, nodes: dict[str, NodeSpec]) -> NodeSpec:
+    """The node spec of a colocated group: its members' (validation keeps them from
+    contradicting each other), the first role that sets one."""
+    roles = [m.role for members in layout.bundles for m in members]
+    return next((nodes[r] for r in roles if nodes[r]), NodeSpec())
+
+
 def place(config: RLConfig, *, gpu: bool, timeout_s: float = 300.0) -> Placement:
-    """Create the placement groups of `plan_bundles` on the running Ray cluster."""
+    """Create the placement groups of `plan_bundles` on the running Ray cluster, on the nodes
+    the ``--*.node`` flags allow.
+
+    Raises:
+        ConfigError: a node spec that no alive node of the cluster satisfies (Ray would wait
+            for such a node forever).
+    """
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    running = _ranks(config)
+    flagged = {role: spec for role, spec in config.role_nodes().items() if role in running}
+    problems = unmatched(dict(flagged.values()), ray.nodes())
+    if problems:
+        raise ConfigError("\n".join(problems))
+    nodes = {role: spec for role, (_, spec) in flagged.items()}
     layouts = plan_bundles(config)
     scheduling: dict[str, list[Any]] = {}
     gpus: dict[str, float] = {}
@@ -137,11 +176,21 @@ def place(config: RLConfig, *, gpu: bool, timeout_s: float = 300.0) -> Placement
             if gpu:
                 bundle["GPU"] = 1.0
             resources.append(bundle)
-        group = placement_group(resources, strategy="PACK", name=f"rlhf-{layout.name}")
+        where = _group_node(layout, nodes)
+        group = placement_group(
+            resources,
+            strategy="SPREAD" if where.spread else "PACK",
+            name=f"rlhf-{layout.name}",
+            bundle_label_selector=[where.bundle_selector()] * len(resources)
+            if where.labels
+            else None,
+        )
         if not group.wait(timeout_seconds=timeout_s):
             raise RuntimeError(
-                f"Ray could not reserve the colocated bundles {resources} within {timeout_s} s: "
-                "the cluster lacks the CPUs/GPUs; lower --*.num_cpus* or drop the colocation flag"
+                f"Ray could not reserve the colocated bundles {resources} within {timeout_s} s"
+                + (f" on nodes {where.describe()}" if where else "")
+                + ": the cluster lacks the CPUs/GPUs; lower --*.num_cpus* or drop the "
+                "colocation flag"
             )
         groups.append(group)
         per_rank: dict[str, dict[int, Any]] = {}
@@ -155,12 +204,49 @@ def place(config: RLConfig, *, gpu: bool, timeout_s: float = 300.0) -> Placement
         for role, strategies in per_rank.items():
             scheduling[role] = [strategies[r] for r in sorted(strategies)]
     ray.get([g.ready() for g in groups])
-    return Placement(layouts=layouts, scheduling=scheduling, gpus=gpus, groups=groups)
+    return Placement(layouts=layouts, scheduling=scheduling, gpus=gpus, groups=groups, nodes=nodes)
 
 
-def placement_group_of_this_process(*_: Any) -> str | None:
-    """The Ray placement group id the calling actor runs in (for run_dir/placement.json)."""
+def role_strategies(role: RoleConfig, *, flag: str) -> list[Any] | None:
+    """One Ray scheduling strategy per rank of a command's single role (``rlhf train sft``,
+    ``rm``, ``dpo``) on the nodes its ``flag`` allows (None: Ray's default).
+
+    Raises:
+        ConfigError: a spec that does not parse, or that no alive node satisfies.
+    """
     import ray
 
-    group = ray.get_runtime_context().get_placement_group_id()
-    return str(group) if group else None
+    try:
+        spec = NodeSpec.parse(role.node, flag=flag)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    problems = unmatched({flag: spec}, ray.nodes())
+    if problems:
+        raise ConfigError(problems[0])
+    return [spec.strategy()] * role.num_ranks if spec else None
+
+
+def record_placement(group: Any, role: RoleConfig, path: pathlib.Path) -> None:
+    """Write where a single-role command's ranks run (``run_dir/placement.json``): the node
+    spec, and the Ray node and placement group each rank reports."""
+    spec = NodeSpec.parse(role.node, flag="--model.node")
+    report = {"node_spec": spec.describe(), **processes(group.run(where_this_process_runs))}
+    path.write_text(json.dumps({"model": report}, indent=1))
+
+
+def processes(where: list[dict[str, str | None]]) -> dict[str, list[str | None]]:
+    """`where_this_process_runs` of a role's processes, as ``placement.json`` lists them."""
+    return {
+        "placement_group": [w["placement_group"] for w in where],
+        "nodes": [w["node"] for w in where],
+    }
+
+
+def where_this_process_runs(*_: Any) -> dict[str, str | None]:
+    """The Ray node and placement group (None: none) of the calling actor, for
+    ``run_dir/placement.json``."""
+    import ray
+
+    context = ray.get_runtime_context()
+    group = context.get_placement_group_id()
+    return {"node": context.get_node_id(), "placement_group": str(group) if group else None}

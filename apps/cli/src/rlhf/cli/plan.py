@@ -4,7 +4,7 @@ each role runs."""
 from __future__ import annotations
 
 from rlhf.cli.config import RLConfig, RoleConfig, TrainConfig
-from rlhf.cli.placement import describe, plan_bundles
+from rlhf.cli.placement import describe, describe_nodes, plan_bundles
 
 
 def plan(config: RLConfig) -> list[str]:
@@ -38,6 +38,7 @@ def plan(config: RLConfig) -> list[str]:
             else ""
         ),
         describe(plan_bundles(config)),
+        *filter(None, [describe_nodes(config)]),
         mode(t),
     ]
 

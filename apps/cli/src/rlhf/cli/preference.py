@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.cli.backends import backend_factory, role_problems
-from rlhf.cli.config import ConfigError, RoleConfig
+from rlhf.cli.config import ConfigError, RayConfig, RoleConfig, absolute_path
 from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import MetricsLog
 
@@ -44,6 +44,7 @@ class PreferenceConfig:
         label_smoothing: cDPO's ε.
         seed: Shuffling and initialisation seed.
         model: The model (``--model.model.path``) and its optimizer/engine.
+        ray: The Ray cluster (a local one, or one to join: ``--ray.address``).
     """
 
     run_dir: str = "runs/pref"
@@ -62,6 +63,7 @@ class PreferenceConfig:
     label_smoothing: float = 0.0
     seed: int = 42
     model: RoleConfig = field(default_factory=RoleConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def validate(self) -> PreferenceConfig:
         if not self.model.model.path:
@@ -73,7 +75,11 @@ class PreferenceConfig:
         problems = role_problems(self.model, flag="model")
         if problems:
             raise ConfigError("; ".join(problems))
-        return self
+        return dataclasses.replace(
+            self,
+            run_dir=str(pathlib.Path(self.run_dir).resolve()),
+            model=self.model.with_model(path=absolute_path(self.model.model.path)),
+        )
 
 
 def _pairs(path: str, config: PreferenceConfig, tokenizer: Any) -> list[tuple[Any, Any]]:
@@ -124,6 +130,7 @@ def run_preference(
     from transformers import AutoTokenizer
 
     from rlhf.cli.cluster import start_ray
+    from rlhf.cli.placement import record_placement, role_strategies
     from rlhf.learner import (
         DPOObjective,
         LearnerGroup,
@@ -136,7 +143,7 @@ def run_preference(
 
     if kind not in ("rm", "dpo"):
         raise ValueError(f"kind must be rm or dpo, got {kind!r}")
-    config.validate()
+    config = config.validate()
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {"kind": kind, **dataclasses.asdict(config)}
@@ -147,12 +154,13 @@ def run_preference(
     held = (
         _batch(_pairs(config.eval_dataset, config, tokenizer), pad) if config.eval_dataset else None
     )
-    gpu = start_ray().gpu
+    gpu = start_ray(address=config.ray.address).gpu
     role = config.model
     group = LearnerGroup(
         num_ranks=role.num_ranks,
         num_cpus_per_rank=role.num_cpus_per_rank,
         num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+        scheduling=role_strategies(role, flag="--model.node"),
     )
     micro = MicroBatching(max_rows=2 * config.micro_batch_size)
     fn = sequence_scores_of if kind == "rm" else sequence_logps
@@ -166,6 +174,7 @@ def run_preference(
             seed=config.seed, total_steps=config.num_steps
         )
         group.build(learner, backend=backend_factory(role))
+        record_placement(group, role, run_dir / "placement.json")
         if kind == "dpo":  # the reference is the initial policy: its log-probs, once
             train.fields["ref_logps"] = per_sequence(group, train, sequence_logps, micro)
             if held is not None:

@@ -56,7 +56,7 @@ def run_rl(
     from rlhf.learner import check_model_dir
 
     watch = stopwatch or Stopwatch(since_process_start=False)
-    config.validate()
+    config = config.validate().with_absolute_paths()
     for path in config.model_dirs():
         check_model_dir(path)
     run_dir = pathlib.Path(config.run_dir)
@@ -73,8 +73,9 @@ def run_rl(
         config.train, run_dir=run_dir, run_config=resolved, resume=config.ckpt.load_enable
     )
     watch.lap("setup")
-    cluster = start_ray()
+    cluster = start_ray(address=config.ray.address)
     watch.lap("ray")
+    echo(f"[plan] ray: {cluster.describe()}")
     t = config.train
     transport, why = choose_transport(
         t.weight_transport,

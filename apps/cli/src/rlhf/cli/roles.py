@@ -21,7 +21,7 @@ from typing import Any
 from rlhf.cli.backends import backend_factory
 from rlhf.cli.config import RLConfig, RoleConfig, VllmConfig
 from rlhf.cli.hybrid import TurnTaking, measure_headroom
-from rlhf.cli.placement import Placement, place, placement_group_of_this_process
+from rlhf.cli.placement import Placement, place, processes, where_this_process_runs
 from rlhf.cli.startup import Stopwatch
 from rlhf.learner import LearnerConfig, LearnerGroup, ModelConfig
 from rlhf.rollout import EngineConfig, EnginePool, RayEngine
@@ -94,21 +94,27 @@ class Roles:
         return {name: g for name, g in groups.items() if g is not None}
 
     def report_placement(self) -> dict[str, Any]:
-        """Per role: the bundle each process was given and the placement group its process
-        reports running in (None: resources of its own)."""
-        seen: dict[str, list[str | None]] = {
-            name: group.run(placement_group_of_this_process)
+        """Per role: the node spec it was given, the bundle each process was given, and the
+        Ray node and placement group (None: resources of its own) each process reports
+        running on."""
+        seen: dict[str, list[dict[str, str | None]]] = {
+            name: group.run(where_this_process_runs)
             for name, group in self.learner_groups().items()
         }
         import asyncio
 
-        async def engines() -> list[str | None]:
-            return list(await asyncio.gather(*(e.run(_placement_in_engine) for e in self.engines)))
+        async def engines() -> list[dict[str, str | None]]:
+            return list(await asyncio.gather(*(e.run(_where_engine_runs) for e in self.engines)))
 
         seen["engines"] = asyncio.run(engines())
+        nodes = self.placement.nodes
         return {
-            name: {"bundles": self.placement.where(name), "placement_group": ids}
-            for name, ids in seen.items()
+            name: {
+                "bundles": self.placement.where(name),
+                "node_spec": nodes[name].describe() if name in nodes else None,
+                **processes(where),
+            }
+            for name, where in seen.items()
         }
 
     def shutdown(self) -> None:
@@ -119,8 +125,8 @@ class Roles:
         self.placement.remove()
 
 
-async def _placement_in_engine(engine: Any) -> str | None:
-    return placement_group_of_this_process()
+async def _where_engine_runs(engine: Any) -> dict[str, str | None]:
+    return where_this_process_runs()
 
 
 def start_engines(
@@ -146,7 +152,7 @@ def start_engines(
         vllm.num_engines,
         num_cpus=vllm.num_cpus,
         num_gpus=placement.gpus.get("engines", float(vllm.tensor_parallel_size) if gpu else 0.0),
-        scheduling=placement.scheduling.get("engines"),
+        scheduling=placement.strategies("engines", vllm.num_engines),
         wait=wait,
     )
 
@@ -160,7 +166,7 @@ def start_learner(
         num_ranks=role.num_ranks,
         num_cpus_per_rank=role.num_cpus_per_rank,
         num_gpus_per_rank=placement.gpus.get(name, role.num_gpus_per_rank) if gpu else 0.0,
-        scheduling=placement.scheduling.get(name),
+        scheduling=placement.strategies(name, role.num_ranks),
     )
     return group, group.start_build(learner, backend=backend_factory(role))
 

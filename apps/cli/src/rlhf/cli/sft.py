@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.cli.backends import backend_factory, role_problems
-from rlhf.cli.config import ConfigError, RoleConfig
+from rlhf.cli.config import ConfigError, RayConfig, RoleConfig, absolute_path
 from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import MetricsLog
 
@@ -35,6 +35,7 @@ class SFTConfig:
         num_steps: Optimizer steps (rows are reshuffled every epoch).
         seed: Shuffling and initialisation seed.
         model: The model to train (``--model.model.path``) and its optimizer/engine.
+        ray: The Ray cluster (a local one, or one to join: ``--ray.address``).
     """
 
     run_dir: str = "runs/sft"
@@ -50,6 +51,7 @@ class SFTConfig:
     num_steps: int = 100
     seed: int = 42
     model: RoleConfig = field(default_factory=RoleConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def validate(self) -> SFTConfig:
         if not self.model.model.path:
@@ -61,7 +63,11 @@ class SFTConfig:
         problems = role_problems(self.model, flag="model")
         if problems:
             raise ConfigError("; ".join(problems))
-        return self
+        return dataclasses.replace(
+            self,
+            run_dir=str(pathlib.Path(self.run_dir).resolve()),
+            model=self.model.with_model(path=absolute_path(self.model.model.path)),
+        )
 
 
 def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
@@ -69,9 +75,10 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     from transformers import AutoTokenizer
 
     from rlhf.cli.cluster import start_ray
+    from rlhf.cli.placement import record_placement, role_strategies
     from rlhf.learner import LearnerGroup, SFTObjective, collate, sft_row
 
-    config.validate()
+    config = config.validate()
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
@@ -90,12 +97,13 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
         )
         for i, row in enumerate(read_rows(config.dataset))
     ]
-    gpu = start_ray().gpu
+    gpu = start_ray(address=config.ray.address).gpu
     role = config.model
     group = LearnerGroup(
         num_ranks=role.num_ranks,
         num_cpus_per_rank=role.num_cpus_per_rank,
         num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+        scheduling=role_strategies(role, flag="--model.node"),
     )
     log = MetricsLog(run_dir / "metrics.jsonl")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -107,6 +115,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             role.learner(seed=config.seed, total_steps=config.num_steps),
             backend=backend_factory(role),
         )
+        record_placement(group, role, run_dir / "placement.json")
         for step in range(1, config.num_steps + 1):
             while len(order) < config.batch_size:
                 epoch = list(range(len(rows)))

@@ -23,7 +23,13 @@ def plan(config: RLConfig) -> list[str]:
         f"aggregation {config.algo.loss_agg_mode}, KL β {config.algo.kl.init_coef} "
         f"({'loss' if config.algo.kl.use_loss else 'reward'}, {config.algo.kl.estimator})",
         f"placement: {config.vllm.num_engines} vLLM engine(s) x TP "
-        f"{config.vllm.tensor_parallel_size}; actor {config.actor.num_ranks} rank(s) "
+        f"{config.vllm.tensor_parallel_size}"
+        + (
+            f" x PP {config.vllm.pipeline_parallel_size}"
+            if config.vllm.pipeline_parallel_size > 1
+            else ""
+        )
+        + f"; actor {config.actor.num_ranks} rank(s) "
         f"{trains_on(config.actor)}"
         + ("; reference 1 rank" if config.uses_reference else "")
         + ("; reward model 1 rank" if config.train.reward_model_path else "")

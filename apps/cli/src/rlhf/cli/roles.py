@@ -151,7 +151,7 @@ def start_engines(
         engine,
         vllm.num_engines,
         num_cpus=vllm.num_cpus,
-        num_gpus=placement.gpus.get("engines", float(vllm.tensor_parallel_size) if gpu else 0.0),
+        num_gpus=placement.gpus.get("engines", float(vllm.world_size) if gpu else 0.0),
         scheduling=placement.strategies("engines", vllm.num_engines),
         wait=wait,
     )

@@ -12,7 +12,7 @@ from rlhf.rollout.conformance import ConformanceReport, check_logprobs, processe
 from rlhf.rollout.engine import EngineError, VLLMEngine, read_checkpoint_params
 from rlhf.rollout.pool import EnginePool
 from rlhf.rollout.ray_engine import EngineActor, RayEngine, TransportSync, spawn_engines
-from rlhf.rollout.readback import VERIFY_MODES, spot_check_names
+from rlhf.rollout.readback import VERIFY_MODES, LiveDigest, spot_check_names
 
 __all__ = [
     "VERIFY_MODES",
@@ -22,6 +22,7 @@ __all__ = [
     "EngineError",
     "EngineOptions",
     "EnginePool",
+    "LiveDigest",
     "RayEngine",
     "TransportSync",
     "VLLMEngine",

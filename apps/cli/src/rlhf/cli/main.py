@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -31,7 +30,9 @@ def _parse(cls: type[T], args: Sequence[str], default: T, prog: str) -> T:
         i = args.index("--config")
         path = args[i + 1] if i + 1 < len(args) else ""
         del args[i : i + 2]
-        default = _from_file(default, path)
+        from rlhf.cli.config_file import load
+
+        default = load(default, path)
     return tyro.cli(
         cls,
         args=args,
@@ -41,36 +42,6 @@ def _parse(cls: type[T], args: Sequence[str], default: T, prog: str) -> T:
         use_underscores=True,
         config=(tyro.conf.FlagConversionOff,),
     )
-
-
-def _from_file(default: T, path: str) -> T:
-    """Values from a YAML or JSON file, nested like the flags."""
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise SystemExit(f"--config {path!r}: no such file")
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        values = yaml.safe_load(p.read_text()) or {}
-    else:
-        values = json.loads(p.read_text())
-    return _merge(default, values, path)
-
-
-def _merge(obj: Any, values: dict[str, Any], where: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    changes = {}
-    for key, value in values.items():
-        if key not in fields:
-            raise SystemExit(f"{where}: unknown key {key!r}; known: {sorted(fields)}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current) and isinstance(value, dict):
-            changes[key] = _merge(current, value, f"{where}: {key}")
-        elif isinstance(current, tuple) and isinstance(value, list):
-            changes[key] = tuple(value)
-        else:
-            changes[key] = value
-    return dataclasses.replace(obj, **changes)
 
 
 def env() -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 import asyncio
 import math
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -229,12 +231,41 @@ def test_a_hung_reward_function_times_out_under_the_policy(tmp_path) -> None:
             return [1.0] * len(q)
         """,
     )
-    with pytest.raises(RewardError, match=r"did not return within 0.3 s on samples 0\.\.2"):
+    with pytest.raises(
+        RewardError, match=r"did not return within 0.3 s \(reward.timeout_s\) on samples 0\.\.2"
+    ):
         score(FunctionReward.from_file(path, timeout_s=0.3))
     out = score(
         FunctionReward.from_file(path, timeout_s=0.3, policy=FailurePolicy(on_failure="skip"))
     )
     assert out.valid == [True, False, True]
+
+
+def test_a_reward_function_that_never_returns_does_not_keep_the_process_alive(tmp_path) -> None:
+    """The abandoned call's thread is a daemon: the interpreter exits after the timeout
+    (a pool thread, as asyncio.to_thread uses, is joined at exit: forever here)."""
+    path = write(
+        tmp_path,
+        """
+        import threading
+        def reward_func(q, p, l, **kw):
+            threading.Event().wait()  # never returns
+        """,
+    )
+    script = f"""
+import asyncio
+from rlhf.agents import FunctionReward, RewardError
+scorer = FunctionReward.from_file({str(path)!r}, timeout_s=0.3)
+try:
+    asyncio.run(scorer.score(queries=["a"], prompts=["a"], labels=["a"]))
+except RewardError as e:
+    print("refused:", e)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused:" in out.stdout and "did not return within 0.3 s" in out.stdout
 
 
 def test_a_scorer_is_reusable_across_event_loops(tmp_path) -> None:

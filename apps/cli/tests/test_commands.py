@@ -145,7 +145,7 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
         ),
         (
             ["--MODEL", "--train.reward_func", "builtin:nope"],
-            "--train.reward_func=builtin:nope: no such builtin",
+            "--reward.reward_func=builtin:nope: no such builtin",  # the older spelling resolved
         ),
         (
             [
@@ -177,6 +177,21 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
         (
             ["--MODEL", "--data.prompt_data", "/no/such.jsonl"],
             "data source '/no/such.jsonl' does not exist",
+        ),
+        (
+            ["--MODEL", "--reward.failure_policy", "ignore"],
+            "--reward.failure_policy must be one of raise, skip, fallback, got 'ignore'",
+        ),
+        (
+            [
+                "--MODEL",
+                "--reward.reward_func",
+                "builtin:math_answer",
+                "--train.reward_func",
+                "builtin:boxed_format",
+            ],
+            "--reward.reward_func 'builtin:math_answer' and its older spelling "
+            "--train.reward_func 'builtin:boxed_format' disagree",
         ),
     ],
 )

@@ -45,17 +45,17 @@ def reward_server():
     thread.join(timeout=10)
 
 
-def _args(assets, run_dir, url: str) -> list[str]:
+def _args(assets, run_dir, url: str, flag: str = "--reward.remote_url") -> list[str]:
     return [
         "--run_dir", str(run_dir),
         *small_run(assets, reward=False),
-        "--train.remote_url", url,
+        flag, url,
     ]  # fmt: skip
 
 
 def test_rl_with_a_remote_reward_server(assets, tmp_path, reward_server) -> None:
     url, seen = reward_server
-    out = rlhf("train", "rloo", *_args(assets, tmp_path, url))
+    out = rlhf("train", "rloo", *_args(assets, tmp_path, url))  # OpenRLHF's spelling
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
@@ -69,6 +69,33 @@ def test_a_reward_server_that_is_down_stops_the_run_naming_it(assets, tmp_path) 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/get_reward"  # nothing listens there
-    out = rlhf("train", "rloo", *_args(assets, tmp_path, url))
+    out = rlhf("train", "rloo", *_args(assets, tmp_path, url, flag="--train.remote_url"))
     assert out.returncode == 2, out.stderr[-3000:]
     assert url in out.stderr
+    # Under the fallback policy the run goes on: every sample gets the fallback reward.
+    fallback = ["--reward.failure_policy", "fallback", "--reward.fallback_value", "0.25",
+                "--reward.retries", "0"]  # fmt: skip
+    out = rlhf("train", "rloo", *_args(assets, tmp_path / "fallback", url), *fallback)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "fallback/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["reward/mean"] for r in steps] == [0.25, 0.25]
+    assert [r["reward/fallback"] for r in steps] == [16.0, 16.0]  # 4 prompts x 4 samples
+
+
+HANGS = """
+import threading
+def reward_func(queries, prompts, labels, **kwargs):
+    threading.Event().wait()  # never returns
+"""
+
+
+def test_a_reward_function_that_never_returns_stops_the_run_at_its_timeout(assets, tmp_path):
+    hang = tmp_path / "hang.py"
+    hang.write_text(HANGS)
+    args = ["--run_dir", str(tmp_path / "run"), *small_run(assets, reward=False, steps=1)]
+    out = rlhf("train", "grpo", *args, "--reward.reward_func", str(hang),
+               "--reward.timeout_s", "1", timeout=600)  # fmt: skip
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-3000:])
+    assert f"reward function reward_func in {hang} did not return within 1.0 s " in out.stderr
+    assert "(reward.timeout_s)" in out.stderr

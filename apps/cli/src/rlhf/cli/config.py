@@ -5,6 +5,7 @@ under OpenRLHF-style dotted flags (``--rollout.n_samples_per_prompt``, ``--algo.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from dataclasses import dataclass, field
 
@@ -203,9 +204,8 @@ class TrainConfig:
         max_tokens_per_micro_batch: Token budget of a micro-batch (0: rows only): padded
             tokens, or real tokens when the role runs padding-free
             (``--actor.model.packing_samples``).
-        reward_func: ``builtin:<name>`` (exact_match, math_answer, boxed_format) or a Python
-            file defining ``reward_func(queries, prompts, labels, **kw)``.
-        remote_url: An HTTP reward server (OpenRLHF wire format) instead of a function.
+        reward_func: The older spelling of ``--reward.reward_func`` (still accepted).
+        remote_url: The older spelling of ``--reward.remote_url`` (still accepted).
         reward_model_path: A reward model (``rlhf train rm`` export) scores the samples for
             training instead of the function; ``reward_func`` then only scores evaluations.
         agent_func_path: A Python file with a multi-turn environment class ``Environment``
@@ -283,6 +283,40 @@ class TrainConfig:
     seed: int = 42
 
 
+FAILURE_POLICIES = ("raise", "skip", "fallback")
+"""``--reward.failure_policy`` values (`rlhf.agents.FailurePolicy`)."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Where rewards come from and what happens when one cannot be computed (flags
+    ``--reward.*``; OpenRLHF's ``--reward.remote_url``).
+
+    Attributes:
+        reward_func: ``builtin:<name>`` (exact_match, math_answer, boxed_format) or a Python
+            file defining ``reward_func(queries, prompts, labels, **kw)``. Empty:
+            ``--train.reward_func`` (default ``builtin:exact_match``).
+        remote_url: HTTP reward servers (OpenRLHF wire format), comma-separated, instead of a
+            function. Empty: ``--train.remote_url``.
+        timeout_s: Deadline of one reward-function call or one server request; past it, the
+            failure policy applies (a function that never returns cannot stall the run).
+        retries: Retries of a failed server request after the first attempt.
+        failure_policy: For a sample without a reward (the function raised, returned NaN or
+            timed out; the server failed for good): ``raise`` stops the run naming the sample,
+            ``skip`` drops the sample (its prompt group then drops out of group estimators;
+            ``reward/failed`` counts them), ``fallback`` gives it ``fallback_value``
+            (``reward/fallback`` counts them).
+        fallback_value: The reward under ``fallback``.
+    """
+
+    reward_func: str = ""
+    remote_url: str = ""
+    timeout_s: float = 60.0
+    retries: int = 3
+    failure_policy: str = "raise"
+    fallback_value: float = 0.0
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """Evaluation (flags ``--eval.*``).
@@ -350,6 +384,7 @@ class RLConfig:
         eval: Evaluation.
         ckpt: Checkpoints.
         ray: The Ray cluster (a local one, or one to join).
+        reward: Reward sources and their failure policy.
     """
 
     run_dir: str = "runs/rl"
@@ -363,11 +398,20 @@ class RLConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
     @property
     def uses_critic(self) -> bool:
         """The estimator reads critic values (`rlhf.algos.EstimatorSpec.needs_critic`)."""
         return self.algo.advantage.spec.needs_critic
+
+    def resolved_reward(self) -> RewardConfig:
+        """``--reward.*`` with the older ``--train.reward_func`` / ``--train.remote_url``
+        spellings filled in where the new ones are unset."""
+        r, t = self.reward, self.train
+        return dataclasses.replace(
+            r, reward_func=r.reward_func or t.reward_func, remote_url=r.remote_url or t.remote_url
+        )
 
     @property
     def uses_reference(self) -> bool:
@@ -420,6 +464,32 @@ class RLConfig:
             problems.append(f"--rollout.top_p must be in (0, 1], got {r.top_p}")
         if r.top_k != -1 and r.top_k < 1:
             problems.append(f"--rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
+        return problems + self._reward_problems()
+
+    def _reward_problems(self) -> list[str]:
+        w, t = self.reward, self.train
+        problems = []
+        if not w.timeout_s > 0:
+            problems.append(f"--reward.timeout_s must be > 0, got {w.timeout_s}")
+        if w.retries < 0:
+            problems.append(f"--reward.retries must be >= 0, got {w.retries}")
+        if w.failure_policy not in FAILURE_POLICIES:
+            problems.append(
+                f"--reward.failure_policy must be one of {', '.join(FAILURE_POLICIES)}, "
+                f"got {w.failure_policy!r}"
+            )
+        if not math.isfinite(w.fallback_value):
+            problems.append(f"--reward.fallback_value must be finite, got {w.fallback_value}")
+        spellings = (
+            ("reward_func", w.reward_func, t.reward_func, TrainConfig.reward_func),
+            ("remote_url", w.remote_url, t.remote_url, TrainConfig.remote_url),
+        )
+        for name, new, old, default in spellings:
+            if new and old != default and new != old:
+                problems.append(
+                    f"--reward.{name} {new!r} and its older spelling --train.{name} {old!r} "
+                    "disagree: set one"
+                )
         return problems
 
     def role_nodes(self) -> dict[str, tuple[str, NodeSpec]]:
@@ -509,8 +579,9 @@ class RLConfig:
                 "(--rollout.batch_size x --rollout.n_samples_per_prompt)",
             ),
             (
-                bool(self.train.remote_url) and self.train.reward_func != "builtin:exact_match",
-                "--train.remote_url and --train.reward_func are exclusive",
+                bool(self.resolved_reward().remote_url)
+                and self.resolved_reward().reward_func != TrainConfig.reward_func,
+                "--reward.remote_url and --reward.reward_func are exclusive",
             ),
             (
                 self.algo.dynamic_filtering_enable and self.rollout.n_samples_per_prompt < 2,
@@ -523,14 +594,14 @@ class RLConfig:
                 "(the penalty ramps over the last buffer_len tokens of the budget)",
             ),
             (
-                bool(self.train.reward_model_path) and bool(self.train.remote_url),
-                "--train.reward_model_path and --train.remote_url are exclusive",
+                bool(self.train.reward_model_path) and bool(self.resolved_reward().remote_url),
+                "--train.reward_model_path and --reward.remote_url are exclusive",
             ),
             (
                 bool(self.train.agent_func_path)
-                and bool(self.train.reward_model_path or self.train.remote_url),
+                and bool(self.train.reward_model_path or self.resolved_reward().remote_url),
                 "--train.agent_func_path returns its own rewards; drop "
-                "--train.reward_model_path / --train.remote_url",
+                "--train.reward_model_path / --reward.remote_url",
             ),
             (self.train.agent_max_turns < 1, "--train.agent_max_turns must be >= 1"),
             (

@@ -68,7 +68,12 @@ def run_rl(
     torch.manual_seed(config.train.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
     sampler, eval_prompts = prompt_sources(config.data, tokenizer, seed=config.train.seed)
-    executors = Executors(tokenizer=tokenizer, rollout=config.rollout, train=config.train)
+    executors = Executors(
+        tokenizer=tokenizer,
+        rollout=config.rollout,
+        train=config.train,
+        reward=config.resolved_reward(),
+    )
     log = open_sinks(
         config.train, run_dir=run_dir, run_config=resolved, resume=config.ckpt.load_enable
     )

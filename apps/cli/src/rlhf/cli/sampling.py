@@ -1,8 +1,10 @@
 """Sampling for ``rlhf train``: where rewards come from, which executor turns prompts into
 trajectories, one step's generation with dynamic filtering, and evaluation.
 
-- Reward sources: ``--train.reward_func`` (``builtin:<name>`` or a Python file) or
-  ``--train.remote_url`` (HTTP servers, OpenRLHF's wire format). A reward model
+- Reward sources: ``--reward.reward_func`` (``builtin:<name>`` or a Python file) or
+  ``--reward.remote_url`` (HTTP servers, OpenRLHF's wire format), under ``--reward.timeout_s``
+  and ``--reward.failure_policy`` (the older ``--train.reward_func`` / ``--train.remote_url``
+  spellings still work). A reward model
   (``--train.reward_model_path``) scores in the learner's experience phase instead.
 - Executors: single-turn (`rlhf.agents.SingleTurnExecutor`, the reward source scores), or a
   ``--train.agent_func_path`` file: an ``Environment`` class (token-in, token-out multi-turn
@@ -23,29 +25,46 @@ from typing import Any
 import torch
 
 from rlhf.algos import AlgoConfig, dynamic_filter
-from rlhf.cli.config import ConfigError, EvalConfig, RolloutConfig, TrainConfig
+from rlhf.cli.config import ConfigError, EvalConfig, RewardConfig, RolloutConfig, TrainConfig
 from rlhf.cli.data import Prompt, PromptSampler
 from rlhf.cli.schedule import Rollout
 from rlhf.learner import Samples
 
 
-def reward_source(train: TrainConfig) -> Any:
-    """The ``--train.reward_func`` / ``--train.remote_url`` scorer (`rlhf.agents`)."""
-    from rlhf.agents import FunctionReward, RemoteReward, RemoteRewardConfig, builtin_rewards
+def reward_source(reward: RewardConfig) -> Any:
+    """The ``--reward.reward_func`` / ``--reward.remote_url`` scorer (`rlhf.agents`), under
+    ``--reward.timeout_s`` and the failure policy (``config.resolved_reward()``: the older
+    ``--train.*`` spellings filled in)."""
+    from rlhf.agents import (
+        FailurePolicy,
+        FunctionReward,
+        RemoteReward,
+        RemoteRewardConfig,
+        builtin_rewards,
+    )
 
-    if train.remote_url:
-        urls = tuple(u.strip() for u in train.remote_url.split(",") if u.strip())
-        return RemoteReward(RemoteRewardConfig(urls=urls))
-    if train.reward_func.startswith("builtin:"):
-        name = train.reward_func.removeprefix("builtin:")
+    policy = FailurePolicy(on_failure=reward.failure_policy, fallback_reward=reward.fallback_value)  # type: ignore[arg-type]
+    if reward.remote_url:
+        urls = tuple(u.strip() for u in reward.remote_url.split(",") if u.strip())
+        try:
+            config = RemoteRewardConfig(
+                urls=urls, timeout_s=reward.timeout_s, max_retries=reward.retries, policy=policy
+            )
+        except ValueError as exc:
+            raise ConfigError(f"--{exc}") from None
+        return RemoteReward(config)
+    if reward.reward_func.startswith("builtin:"):
+        name = reward.reward_func.removeprefix("builtin:")
         func = getattr(builtin_rewards, name, None)
         if func is None or name.startswith("_"):
             raise ConfigError(
-                f"--train.reward_func={train.reward_func}: no such builtin; use exact_match, "
+                f"--reward.reward_func={reward.reward_func}: no such builtin; use exact_match, "
                 "math_answer or boxed_format, or a Python file"
             )
-        return FunctionReward(func, source=train.reward_func)
-    return FunctionReward.from_file(train.reward_func)
+        return FunctionReward(
+            func, source=reward.reward_func, policy=policy, timeout_s=reward.timeout_s
+        )
+    return FunctionReward.from_file(reward.reward_func, policy=policy, timeout_s=reward.timeout_s)
 
 
 def agent_module(path: str) -> Any:
@@ -72,13 +91,16 @@ class Executors:
     Args:
         tokenizer: The policy's tokenizer.
         rollout: Sampling settings (``--rollout.*``).
-        train: Reward source and agent file (``--train.*``).
+        train: The agent file (``--train.*``).
+        reward: The reward source and its failure policy (``config.resolved_reward()``).
     """
 
-    def __init__(self, *, tokenizer: Any, rollout: RolloutConfig, train: TrainConfig) -> None:
+    def __init__(
+        self, *, tokenizer: Any, rollout: RolloutConfig, train: TrainConfig, reward: RewardConfig
+    ) -> None:
         self.tokenizer, self.rollout = tokenizer, rollout
         self.generator: Any = None
-        self.reward = reward_source(train)
+        self.reward = reward_source(reward)
         self.agent_path = train.agent_func_path
         self.agent_max_turns = train.agent_max_turns
         self.agent = agent_module(self.agent_path) if self.agent_path else None

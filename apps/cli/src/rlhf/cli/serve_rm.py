@@ -6,7 +6,7 @@ as one text, special tokens included, as the rollout decodes them) is tokenized 
 special tokens, keeps its last ``max_len`` tokens, and is scored by the model's scalar head at
 its last token, the same reading as training and ``--train.reward_model_path``. ``GET /health``
 answers ``{"status": "ok"}``. The server binds 127.0.0.1 unless ``--host`` says otherwise.
-Point a run at it with ``--train.remote_url http://127.0.0.1:PORT/get_reward``.
+Point a run at it with ``--reward.remote_url http://127.0.0.1:PORT/get_reward``.
 """
 
 from __future__ import annotations

@@ -85,6 +85,28 @@ def test_an_agent_file_without_environment_or_agent_is_named(assets, tmp_path) -
     assert "--train.agent_func_path" in out.stderr and "Environment" in out.stderr
 
 
+HUNG_ENV = """
+import threading
+class Environment:
+    def reset(self, prompt, label):
+        pass
+    def step(self, action_text):
+        threading.Event().wait()  # never returns
+"""
+
+
+def test_an_environment_step_that_never_returns_stops_the_run_at_its_deadline(assets, tmp_path):
+    env = tmp_path / "hung_env.py"
+    env.write_text(HUNG_ENV)
+    out = rlhf("train", "grpo", *_train_args(assets, tmp_path / "run"),
+               "--train.agent_func_path", str(env), "--train.agent_step_timeout_s", "1",
+               timeout=600)  # fmt: skip
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-3000:])
+    assert f"rlhf: environment Environment in {env} (prompt " in out.stderr
+    assert "step() on turn 0 did not return within 1.0 s (step_timeout_s)" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_an_openai_client_agent_trains(assets, tmp_path) -> None:
     import shutil
 

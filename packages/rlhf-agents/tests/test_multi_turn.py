@@ -194,7 +194,7 @@ def test_async_environment_with_async_create(tokenizer, generator, examples) -> 
     [
         (
             "raise RuntimeError('sandbox died')",
-            r"step\(\) raised on turn 0: RuntimeError\('sandbox died'\)",
+            r"step\(\) on turn 0 raised RuntimeError\('sandbox died'\)",
         ),
         (
             "return 'done'",
@@ -231,6 +231,30 @@ def test_misbehaving_environments_name_the_file_prompt_and_turn(
         run(executor(tokenizer, generator, envs), [chat(tokenizer, "go")], [None])
     with pytest.raises(EnvironmentStepError, match=message):
         run(executor(tokenizer, generator, envs), [chat(tokenizer, "go")], [None])
+
+
+def test_a_step_that_never_returns_fails_at_its_deadline(tmp_path, tokenizer, generator) -> None:
+    """A synchronous step() runs on a thread of its own, so the deadline can fire while it
+    blocks (called on the event loop, it would block every episode, forever)."""
+    envs = env_file(
+        tmp_path,
+        """
+        import threading
+        class Environment:
+            def reset(self, prompt, label):
+                pass
+            def step(self, action_text):
+                threading.Event().wait()  # never returns
+        """,
+    )
+    hung = executor(tokenizer, generator, envs, step_timeout_s=0.3)
+    with pytest.raises(
+        EnvironmentStepError,
+        match=r"\(prompt 0, sample 0\): step\(\) on turn 0 did not return within 0.3 s",
+    ):
+        run(hung, [chat(tokenizer, "go")], [None])
+    with pytest.raises(ValueError, match="step_timeout_s must be > 0"):
+        executor(tokenizer, generator, envs, step_timeout_s=0)
 
 
 def test_bad_environment_classes_are_refused_clearly(tmp_path) -> None:

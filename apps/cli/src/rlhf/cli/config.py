@@ -214,6 +214,9 @@ class TrainConfig:
             episode's rewards replace ``reward_func`` for training (evaluations stay
             single-turn, scored by ``reward_func``).
         agent_max_turns: Most policy turns per episode (environment files).
+        agent_step_timeout_s: Deadline of one environment ``reset()`` or ``step()`` call; past
+            it the run stops naming the file, prompt, sample and turn (synchronous methods run
+            on a thread of their own, so one that never returns cannot stall the run).
         async_enable: Sample later batches while the current one trains (`rlhf.cli.schedule`):
             batch ``j`` is sampled with the weights of step ``j - async_queue_size``.
         async_queue_size: Most batches sampled ahead of training (the staleness bound).
@@ -264,6 +267,7 @@ class TrainConfig:
     reward_model_path: str = ""
     agent_func_path: str = ""
     agent_max_turns: int = 4
+    agent_step_timeout_s: float = 60.0
     async_enable: bool = False
     async_queue_size: int = 1
     partial_rollout_enable: bool = False
@@ -604,6 +608,10 @@ class RLConfig:
                 "--train.reward_model_path / --reward.remote_url",
             ),
             (self.train.agent_max_turns < 1, "--train.agent_max_turns must be >= 1"),
+            (
+                not self.train.agent_step_timeout_s > 0,
+                "--train.agent_step_timeout_s must be > 0",
+            ),
             (
                 bool(self.train.agent_func_path)
                 and not pathlib.Path(self.train.agent_func_path).is_file(),

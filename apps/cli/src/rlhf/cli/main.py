@@ -77,7 +77,7 @@ def env() -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rlhf.agents import RewardError
+    from rlhf.agents import EnvironmentStepError, RewardError
     from rlhf.cli.config import ConfigError
     from rlhf.cli.data import DataSourceError
     from rlhf.learner import CheckpointError, DataError, ModelLoadError
@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ModelLoadError,
         CheckpointError,
         RewardError,
+        EnvironmentStepError,
     ) as exc:
         print(f"rlhf: {exc}", file=sys.stderr)
         return 2

@@ -103,6 +103,7 @@ class Executors:
         self.reward = reward_source(reward)
         self.agent_path = train.agent_func_path
         self.agent_max_turns = train.agent_max_turns
+        self.agent_step_timeout_s = train.agent_step_timeout_s
         self.agent = agent_module(self.agent_path) if self.agent_path else None
         self._training: Any = None
 
@@ -153,7 +154,12 @@ class Executors:
             factory = EnvironmentFactory(
                 module.Environment, source=f"environment Environment in {path}"
             )
-            return MultiTurnExecutor(environments=factory, max_turns=self.agent_max_turns, **common)
+            return MultiTurnExecutor(
+                environments=factory,
+                max_turns=self.agent_max_turns,
+                step_timeout_s=self.agent_step_timeout_s,
+                **common,
+            )
         return OpenAIAgentExecutor(agent=module.agent, source=f"agent in {path}", **common)
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable
-from typing import TypeVar
+import contextlib
+import functools
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -32,3 +35,29 @@ async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
         await asyncio.gather(*pending, return_exceptions=True)
         raise failed.exception()  # type: ignore[misc]
     return [t.result() for t in tasks]
+
+
+async def in_daemon_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` on a daemon thread of its own. Unlike `asyncio.to_thread`
+    (whose pool threads the interpreter joins at exit), a call abandoned after its timeout that
+    never returns cannot keep the process from exiting."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def run() -> None:
+        outcome: Callable[[], None]
+        try:
+            result = func(*args, **kwargs)
+            outcome = functools.partial(done.set_result, result)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            outcome = functools.partial(done.set_exception, exc)
+
+        def settle() -> None:
+            if not done.done():  # not abandoned (timed out, cancelled)
+                outcome()
+
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for this call
+            loop.call_soon_threadsafe(settle)
+
+    threading.Thread(target=run, name="rlhf-reward-call", daemon=True).start()
+    return await done

@@ -11,10 +11,12 @@ message naming the environment, the prompt index and the turn.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from rlhf.agents._aio import gather_or_cancel
+from rlhf.agents._aio import gather_or_cancel, in_daemon_thread
 from rlhf.agents.environments import (
     EnvironmentFactory,
     EnvironmentStepError,
@@ -38,6 +40,10 @@ class MultiTurnExecutor:
         max_len: Token budget of the whole episode (prompt + all turns).
         max_turns: Most policy turns per episode.
         max_prompt_len: Prompt budget; None uses ``max_len − sampling.max_new_tokens``.
+        step_timeout_s: Deadline of one ``reset()`` or ``step()`` call; past it the episode
+            fails with `EnvironmentStepError` (None: no deadline). Synchronous methods run on
+            a daemon thread of their own, so a slow one does not hold up the other episodes
+            and one that never returns cannot keep the process alive.
     """
 
     def __init__(
@@ -50,7 +56,11 @@ class MultiTurnExecutor:
         max_len: int,
         max_turns: int,
         max_prompt_len: int | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
+        if step_timeout_s is not None and not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0 or None, got {step_timeout_s}")
+        self.step_timeout_s = step_timeout_s
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.max_prompt_len = max_prompt_len or max_len - sampling.max_new_tokens
@@ -70,11 +80,8 @@ class MultiTurnExecutor:
         where = f"{self.environments.source} (prompt {prompt_index}, sample {sample_index})"
         prompt_ids, _ = encode_prompt(self.tokenizer, prompt, max_prompt_len=self.max_prompt_len)
         env = await self.environments.create()
-        try:
-            # The templated prompt is the first observation; what reset() returns is ignored.
-            await maybe_await(env.reset(prompt, label))
-        except Exception as exc:
-            raise EnvironmentStepError(f"{where}: reset() raised {exc!r}") from exc
+        # The templated prompt is the first observation; what reset() returns is ignored.
+        await self._call(env.reset, prompt, label, what=f"{where}: reset()")
         tokens, mask, logprobs = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids)
         turn_rewards: list[float] = []
         metrics: dict[str, float] = {}
@@ -94,12 +101,7 @@ class MultiTurnExecutor:
             action_text = self.tokenizer.decode(
                 list(generation.token_ids), skip_special_tokens=True
             )
-            try:
-                raw = await maybe_await(env.step(action_text))
-            except Exception as exc:
-                raise EnvironmentStepError(
-                    f"{where}: step() raised on turn {turn}: {exc!r}"
-                ) from exc
+            raw = await self._call(env.step, action_text, what=f"{where}: step() on turn {turn}")
             result = coerce_step_result(raw, source=f"{where}, turn {turn}")
             turn_rewards.append(float(result.reward))
             for key, value in result.metrics.items():
@@ -141,6 +143,22 @@ class MultiTurnExecutor:
             sample_index=sample_index,
             weight_version=weight_version,
         )
+
+    async def _call(self, method: Any, *args: Any, what: str) -> Any:
+        """An environment method under ``step_timeout_s``; its failures name ``what``."""
+        run = (
+            method(*args)
+            if inspect.iscoroutinefunction(method)
+            else in_daemon_thread(method, *args)
+        )
+        try:
+            return await maybe_await(await asyncio.wait_for(run, self.step_timeout_s))
+        except TimeoutError:
+            raise EnvironmentStepError(
+                f"{what} did not return within {self.step_timeout_s} s (step_timeout_s)"
+            ) from None
+        except Exception as exc:
+            raise EnvironmentStepError(f"{what} raised {exc!r}") from exc
 
     async def run(
         self,

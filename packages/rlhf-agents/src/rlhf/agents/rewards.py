@@ -16,15 +16,13 @@ so that only the culprits are dropped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import inspect
 import math
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from rlhf.agents._aio import in_daemon_thread
 from rlhf.agents.loading import load_symbol
 from rlhf.agents.types import finite_float
 
@@ -255,7 +253,7 @@ class FunctionReward:
     ) -> Any:
         if inspect.iscoroutinefunction(self.func):
             return await self.func(queries, prompts, labels, **kwargs)
-        result = await _in_daemon_thread(self.func, queries, prompts, labels, **kwargs)
+        result = await in_daemon_thread(self.func, queries, prompts, labels, **kwargs)
         if inspect.isawaitable(result):
             result = await result
         return result
@@ -306,32 +304,6 @@ class FunctionReward:
         for lo in range(0, n, step):
             await self._score_slice(batch, lo, min(lo + step, n), queries, prompts, labels, kwargs)
         return batch
-
-
-async def _in_daemon_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``func(*args, **kwargs)`` on a daemon thread of its own. Unlike `asyncio.to_thread`
-    (whose pool threads the interpreter joins at exit), a call abandoned after its timeout that
-    never returns cannot keep the process from exiting."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[Any] = loop.create_future()
-
-    def run() -> None:
-        outcome: Callable[[], None]
-        try:
-            result = func(*args, **kwargs)
-            outcome = functools.partial(done.set_result, result)
-        except BaseException as exc:  # handed to the awaiting coroutine
-            outcome = functools.partial(done.set_exception, exc)
-
-        def settle() -> None:
-            if not done.done():  # not abandoned (timed out, cancelled)
-                outcome()
-
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for this call
-            loop.call_soon_threadsafe(settle)
-
-    threading.Thread(target=run, name="rlhf-reward-call", daemon=True).start()
-    return await done
 
 
 def _is_per_sample(value: Any, n: int) -> bool:

@@ -4,6 +4,7 @@ split, learning, checkpoints, HF export and weight buckets, with ZeRO-2 and ZeRO
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import pytest
 import torch
@@ -246,6 +247,39 @@ def test_foreign_and_partial_checkpoints_are_refused(group, tiny, tmp_path) -> N
         group.load(str(tmp_path / ".staging-step-00000004"))
     with pytest.raises(CheckpointError, match="does not exist"):
         group.load(str(tmp_path / "step-00000009"))
+
+
+class _TouchOnLoad:
+    """Unpickled without restriction, this creates ``marker``: a stand-in for code a
+    checkpoint from elsewhere could run."""
+
+    def __init__(self, marker: pathlib.Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (self.marker,))
+
+
+def test_checkpoint_files_are_read_without_running_code(group, tiny, tmp_path) -> None:
+    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    path = pathlib.Path(group.save(str(tmp_path / "ckpt"), 1, client_state={"step": 1}))
+    marker = tmp_path / "code-ran"
+    rng = path / "rng" / "rank-0.pt"
+    good_rng = rng.read_bytes()
+    torch.save({"python": _TouchOnLoad(marker)}, rng)
+    with pytest.raises(CheckpointError, match=r"rank-0\.pt \(the RNG state of rank 0\) does not"):
+        group.load(str(path))
+    rng.write_bytes(good_rng)
+    (optim,) = (path / "backend" / "state").glob("zero_pp_rank_0_*optim_states.pt")
+    torch.save({"optimizer_state_dict": _TouchOnLoad(marker)}, optim)
+    with pytest.raises(CheckpointError, match=r"optim_states\.pt \(DeepSpeed engine state\)"):
+        group.load(str(path))
+    assert not marker.exists()
+    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    fresh = pathlib.Path(group.save(str(tmp_path / "fresh"), 1, client_state={"step": 1}))
+    (fresh / "rng" / "rank-0.pt").unlink()  # rank 1's is there: not a checkpoint of fewer ranks
+    with pytest.raises(CheckpointError, match=r"is missing rng/rank-0\.pt \(deleted, or an incomp"):
+        group.load(str(fresh))
 
 
 def test_missing_model_path_fails_the_build_clearly(group, tmp_path) -> None:

@@ -23,7 +23,7 @@ import pathlib
 import random
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -76,15 +76,52 @@ def write_rank_rng(directory: str | os.PathLike[str], rank: int) -> None:
     torch.save(state, path / f"rank-{rank}.pt")
 
 
+def load_tensors_only(
+    file: str | os.PathLike[str],
+    *,
+    what: str,
+    map_location: Any = "cpu",
+    allowed: Sequence[Any] = (),
+) -> Any:
+    """``torch.load`` that unpickles tensors and plain containers only (and the data
+    classes in ``allowed``): a checkpoint from elsewhere cannot run code while it is read.
+
+    Raises:
+        CheckpointError: naming the file and what it holds, when it does not unpickle so
+            (corrupt, or holding other objects).
+    """
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(file, weights_only=True, map_location=map_location)
+    except Exception as exc:  # UnpicklingError, RuntimeError (truncated zip), EOFError, …
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+        except Exception:  # not even a readable archive
+            unsafe = []
+        if unsafe:
+            reason = f"it holds objects of {', '.join(sorted(unsafe))}"
+        raise CheckpointError(
+            f"{file} ({what}) does not load as plain tensors and containers: {reason}; it is "
+            "corrupt or was not written by this framework (nothing in it was executed)"
+        ) from None
+
+
 def restore_rank_rng(directory: str | os.PathLike[str], rank: int) -> None:
     """Restore what `write_rank_rng` saved for ``rank``."""
     file = pathlib.Path(directory) / "rng" / f"rank-{rank}.pt"
     if not file.is_file():
+        written = sorted(int(f.stem.removeprefix("rank-")) for f in file.parent.glob("rank-*.pt"))
+        if written and rank > written[-1]:
+            raise CheckpointError(
+                f"checkpoint {directory} has no RNG state for rank {rank}: it was written with "
+                f"{written[-1] + 1} ranks; resume with that many ranks"
+            )
         raise CheckpointError(
-            f"checkpoint {directory} has no RNG state for rank {rank}: it was written with "
-            "fewer ranks; resume with the same number of ranks"
+            f"checkpoint {directory} is missing {file.relative_to(directory)} (deleted, or an "
+            "incomplete copy): restore the file or resume from another checkpoint"
         )
-    state = torch.load(file, weights_only=False)
+    state = load_tensors_only(file, what=f"the RNG state of rank {rank}")
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():

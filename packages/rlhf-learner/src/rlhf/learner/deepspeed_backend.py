@@ -120,6 +120,7 @@ class DeepSpeedBackend:
             self.engine, _, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self._ds_config
             )
+            self.engine.checkpoint_engine = TensorsOnlyLoads(self.engine.checkpoint_engine)
             self._module = self.engine.module
         elif config.deepspeed.zero_stage == 3:
             self.engine, *_ = deepspeed.initialize(model=model, config=self._ds_config)
@@ -350,3 +351,32 @@ def _release(param: torch.nn.Parameter) -> None:
     """Drop a ZeRO-3 parameter's gathered copy, so the next gather reads its shard."""
     if getattr(param, "ds_tensor", None) is not None and param.data.numel():
         param.partition()
+
+
+class TensorsOnlyLoads:
+    """DeepSpeed's checkpoint engine with reads that unpickle tensors and plain containers
+    only (`rlhf.learner.checkpoint.load_tensors_only`): DeepSpeed's own reader unpickles
+    anything (``weights_only=False``), so a checkpoint from elsewhere could run code on load.
+    Everything else is the wrapped engine's."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        what = "DeepSpeed engine state"
+        allowed = deepspeed_state_classes()
+        return ckpt.load_tensors_only(path, what=what, map_location=map_location, allowed=allowed)
+
+
+def deepspeed_state_classes() -> list[Any]:
+    """The data classes DeepSpeed's own engine and ZeRO states hold (a loss scaler's settings,
+    the ZeRO stage enum, fragment addresses): restored from their fields, no code of theirs
+    runs on load."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]

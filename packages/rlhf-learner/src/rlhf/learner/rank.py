@@ -28,7 +28,7 @@ from torch import Tensor
 
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
-from rlhf.learner.checkpoint import CheckpointError
+from rlhf.learner.checkpoint import CheckpointError, load_tensors_only
 from rlhf.learner.config import ModelConfig
 
 NamedParams = Iterable[tuple[str, torch.nn.Parameter]]
@@ -213,7 +213,7 @@ def load_ema(directory: str, rank: int) -> dict[str, Tensor]:
             f"checkpoint {directory} has no EMA weights of rank {rank}; it was saved without "
             "optimizer.ema_decay or with another number of ranks"
         )
-    return torch.load(file, weights_only=True)
+    return load_tensors_only(file, what=f"the EMA weights of rank {rank}")
 
 
 def gather_on_rank0(

@@ -99,3 +99,17 @@ def test_a_reward_function_that_never_returns_stops_the_run_at_its_timeout(asset
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-3000:])
     assert f"reward function reward_func in {hang} did not return within 1.0 s " in out.stderr
     assert "(reward.timeout_s)" in out.stderr
+
+
+def test_the_reward_key_comes_from_the_flag_or_the_environment(monkeypatch) -> None:
+    from rlhf.cli.config import RewardConfig
+    from rlhf.cli.sampling import reward_source
+
+    url = "http://127.0.0.1:5000/get_reward"
+    monkeypatch.delenv("RLHF_REWARD_API_KEY", raising=False)
+    assert reward_source(RewardConfig(remote_url=url)).config.api_key is None
+    monkeypatch.setenv("RLHF_REWARD_API_KEY", "from-env")
+    assert reward_source(RewardConfig(remote_url=url)).config.api_key == "from-env"
+    flagged = RewardConfig(remote_url=url, api_key="from-flag")
+    assert reward_source(flagged).config.api_key == "from-flag"
+    assert "from-flag" not in repr(flagged)  # not echoed by a config print

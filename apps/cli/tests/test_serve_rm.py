@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -37,13 +38,18 @@ def reward_model(assets, tmp_path_factory):
     return out
 
 
+KEY = "test-key-7f3a"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 @pytest.fixture(scope="module")
 def server(reward_model):
+    """The server with ``--api_key``: scoring requests carry the key."""
     port = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf.cli", "serve-rm", "--model_path", str(reward_model),
-         "--port", str(port), "--batch_size", "3"],
+         "--port", str(port), "--batch_size", "3", "--api_key", KEY],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -80,7 +86,9 @@ QUERIES = ["1234:1234<eos>", "9081:0189", "55:5", "3210:0123<eos>", "7:"]
 
 def test_scores_equal_a_direct_forward_of_each_text(server, reward_model) -> None:
     # Five texts of different lengths in batches of three: padding must not change a score.
-    body = httpx.post(f"{server}/get_reward", json={"query": QUERIES}, timeout=60).json()
+    body = httpx.post(
+        f"{server}/get_reward", json={"query": QUERIES}, headers=AUTH, timeout=60
+    ).json()
     expected = [_direct_score(reward_model, q) for q in QUERIES]
     assert body["rewards"] == pytest.approx(expected, abs=1e-4)
     assert body["scores"] == body["rewards"]
@@ -90,7 +98,8 @@ def test_scores_equal_a_direct_forward_of_each_text(server, reward_model) -> Non
 def test_the_remote_reward_client_reads_it(server, reward_model) -> None:
     from rlhf.agents import RemoteReward, RemoteRewardConfig
 
-    client = RemoteReward(RemoteRewardConfig(urls=(f"{server}/get_reward",), max_batch_size=2))
+    config = RemoteRewardConfig(urls=(f"{server}/get_reward",), max_batch_size=2, api_key=KEY)
+    client = RemoteReward(config)
     scored = asyncio.run(
         client.score(queries=QUERIES, prompts=[q.split(":")[0] for q in QUERIES], labels=[""] * 5)
     )
@@ -101,11 +110,51 @@ def test_the_remote_reward_client_reads_it(server, reward_model) -> None:
 
 
 def test_a_body_without_query_is_a_400_naming_it(server) -> None:
-    response = httpx.post(f"{server}/get_reward", json={"prompts": ["1:"]}, timeout=30)
+    response = httpx.post(
+        f"{server}/get_reward", json={"prompts": ["1:"]}, headers=AUTH, timeout=30
+    )
     assert response.status_code == 400
     assert "'query'" in response.json()["error"]
-    response = httpx.post(f"{server}/get_reward", json={"query": [1, 2]}, timeout=30)
+    response = httpx.post(f"{server}/get_reward", json={"query": [1, 2]}, headers=AUTH, timeout=30)
     assert response.status_code == 400 and "list of strings" in response.json()["error"]
+
+
+def test_scoring_needs_the_key(server) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        response = httpx.post(
+            f"{server}/get_reward", json={"query": QUERIES}, headers=headers, timeout=30
+        )
+        assert response.status_code == 401, headers
+        assert "--api_key" in response.json()["error"]
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200  # probes need no key
+
+
+def test_a_language_model_without_a_score_head_is_refused(assets) -> None:
+    out = rlhf("serve-rm", "--model_path", str(assets["model"]), timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "has no trained score head" in out.stderr and "rlhf train rm" in out.stderr
+
+
+def test_binding_beyond_this_machine_without_a_key_warns(reward_model) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf.cli", "serve-rm", "--model_path", str(reward_model),
+         "--host", "0.0.0.0", "--port", str(_free_port())],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stop = threading.Timer(120, proc.terminate)  # no warning at all: stderr ends, test fails
+    stop.start()
+    line = ""
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # written before the model loads and the server starts
+            if line.startswith("[serve-rm]"):
+                break
+    finally:
+        stop.cancel()
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert line.startswith("[serve-rm] warning: --host 0.0.0.0 exposes the reward model"), line
 
 
 def test_a_missing_model_is_a_clear_error(tmp_path) -> None:

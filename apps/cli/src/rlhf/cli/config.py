@@ -311,6 +311,9 @@ class RewardConfig:
             ``reward/failed`` counts them), ``fallback`` gives it ``fallback_value``
             (``reward/fallback`` counts them).
         fallback_value: The reward under ``fallback``.
+        api_key: Sent to the reward servers as ``Authorization: Bearer <key>`` (``rlhf serve-rm
+            --api_key``). Empty: the ``RLHF_REWARD_API_KEY`` environment variable, if set
+            (keeps the key out of process listings). Never written to ``config.json``.
     """
 
     reward_func: str = ""
@@ -319,6 +322,7 @@ class RewardConfig:
     retries: int = 3
     failure_policy: str = "raise"
     fallback_value: float = 0.0
+    api_key: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)

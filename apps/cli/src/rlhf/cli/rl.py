@@ -62,6 +62,8 @@ def run_rl(
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = dataclasses.asdict(config)
+    if config.reward.api_key:  # a secret: not in config.json, W&B or TensorBoard
+        resolved["reward"]["api_key"] = "<set>"
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
     for line in plan(config):
         echo(f"[plan] {line}")

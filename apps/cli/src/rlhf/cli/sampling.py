@@ -17,6 +17,7 @@ trajectories, one step's generation with dynamic filtering, and evaluation.
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections.abc import Mapping, Sequence
@@ -48,7 +49,11 @@ def reward_source(reward: RewardConfig) -> Any:
         urls = tuple(u.strip() for u in reward.remote_url.split(",") if u.strip())
         try:
             config = RemoteRewardConfig(
-                urls=urls, timeout_s=reward.timeout_s, max_retries=reward.retries, policy=policy
+                urls=urls,
+                timeout_s=reward.timeout_s,
+                max_retries=reward.retries,
+                policy=policy,
+                api_key=reward.api_key or os.environ.get("RLHF_REWARD_API_KEY") or None,
             )
         except ValueError as exc:
             raise ConfigError(f"--{exc}") from None

@@ -5,16 +5,24 @@ answers ``{"rewards": [score, ...], "scores": [score, ...]}``: each query (promp
 as one text, special tokens included, as the rollout decodes them) is tokenized without adding
 special tokens, keeps its last ``max_len`` tokens, and is scored by the model's scalar head at
 its last token, the same reading as training and ``--train.reward_model_path``. ``GET /health``
-answers ``{"status": "ok"}``. The server binds 127.0.0.1 unless ``--host`` says otherwise.
+answers ``{"status": "ok"}``. The server binds 127.0.0.1 unless ``--host`` says otherwise; with
+``--api_key`` every scoring request must carry ``Authorization: Bearer <key>`` (401 otherwise;
+runs pass it with ``--reward.api_key``), and binding another interface without one prints a
+warning. A model without a trained score head (a causal LM) is refused: it would answer 0.0 for
+everything.
 Point a run at it with ``--reward.remote_url http://127.0.0.1:PORT/get_reward``.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import math
+import pathlib
+import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +41,8 @@ class ServeRMConfig:
         max_len: Tokens kept per query (the last ones: the score is read at the end).
         batch_size: Queries per forward pass.
         dtype: ``float32`` or ``bfloat16``.
+        api_key: Scoring requests must send ``Authorization: Bearer <api_key>`` (empty: no
+            check; then keep the default host).
     """
 
     model_path: str = ""
@@ -41,6 +51,7 @@ class ServeRMConfig:
     max_len: int = 2048
     batch_size: int = 16
     dtype: str = "float32"
+    api_key: str = field(default="", repr=False)
 
 
 class RewardModelScorer:
@@ -99,8 +110,8 @@ def parse_queries(body: Any) -> list[str]:
     return queries
 
 
-def build_app(scorer: RewardModelScorer) -> FastAPI:
-    """The FastAPI app serving ``scorer``."""
+def build_app(scorer: RewardModelScorer, *, api_key: str = "") -> FastAPI:
+    """The FastAPI app serving ``scorer`` (``api_key``: required on scoring requests)."""
     app = FastAPI(title="rlhf reward model")
 
     @app.get("/health")
@@ -109,6 +120,13 @@ def build_app(scorer: RewardModelScorer) -> FastAPI:
 
     @app.post("/get_reward")
     async def get_reward(request: Request) -> JSONResponse:
+        if api_key and not hmac.compare_digest(
+            request.headers.get("authorization", ""), f"Bearer {api_key}"
+        ):
+            return JSONResponse(
+                {"error": "missing or wrong 'Authorization: Bearer <key>' (--api_key)"},
+                status_code=401,
+            )
         try:
             queries = parse_queries(await request.json())
         except ValueError as exc:  # RequestError or a body that is not JSON
@@ -124,6 +142,16 @@ def build_app(scorer: RewardModelScorer) -> FastAPI:
     return app
 
 
+def _loopback(host: str) -> bool:
+    """``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 async def _in_thread(fn: Any, *args: Any) -> Any:
     import asyncio
 
@@ -135,7 +163,7 @@ def serve_rm(config: ServeRMConfig) -> None:
     import uvicorn
 
     from rlhf.cli.config import ConfigError
-    from rlhf.learner import check_model_dir
+    from rlhf.learner import check_model_dir, checkpoint_names
 
     if not config.model_path:
         raise ConfigError("--model_path is required (an `rlhf train rm` export)")
@@ -144,6 +172,20 @@ def serve_rm(config: ServeRMConfig) -> None:
     if config.max_len < 1 or config.batch_size < 1:
         raise ConfigError("--max_len and --batch_size must be >= 1")
     check_model_dir(config.model_path)
-    app = build_app(RewardModelScorer(config))
+    if not any(n.startswith("score.") for n in checkpoint_names(pathlib.Path(config.model_path))):
+        raise ConfigError(
+            f"--model_path {config.model_path!r} has no trained score head (no 'score.*' "
+            "tensors): it is a language model, not a reward model, and would score every text "
+            "0.0; serve an `rlhf train rm` export (its run_dir/final)"
+        )
+    if not config.api_key and not _loopback(config.host):
+        print(
+            f"[serve-rm] warning: --host {config.host} exposes the reward model beyond this "
+            "machine without authentication; set --api_key (runs pass it with "
+            "--reward.api_key) or bind 127.0.0.1",
+            file=sys.stderr,
+            flush=True,
+        )
+    app = build_app(RewardModelScorer(config), api_key=config.api_key)
     print(f"[serve-rm] http://{config.host}:{config.port}/get_reward", flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning")

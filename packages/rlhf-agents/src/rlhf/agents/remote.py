@@ -44,6 +44,8 @@ class RemoteRewardConfig:
         max_concurrency: Requests in flight at once across all URLs.
         max_batch_size: Largest number of samples per request; None shards evenly over the URLs.
         policy: What happens to samples whose request failed for good.
+        api_key: Sent as ``Authorization: Bearer <api_key>`` (``rlhf serve-rm --api_key``);
+            None sends no credentials.
     """
 
     urls: tuple[str, ...]
@@ -53,6 +55,7 @@ class RemoteRewardConfig:
     max_concurrency: int = 8
     max_batch_size: int | None = None
     policy: FailurePolicy = field(default_factory=FailurePolicy)
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -106,7 +109,9 @@ class RemoteReward:
         """The HTTP client and semaphore of the running event loop (made anew per loop)."""
         loop = asyncio.get_running_loop()
         if self._client is None or self._semaphore is None or self._loop is not loop:
-            self._client = httpx.AsyncClient(timeout=self.config.timeout_s)
+            key = self.config.api_key
+            headers = {"Authorization": f"Bearer {key}"} if key else None
+            self._client = httpx.AsyncClient(timeout=self.config.timeout_s, headers=headers)
             self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
             self._loop = loop
         return self._client, self._semaphore

@@ -41,7 +41,13 @@ from rlhf.learner.forward import (
     token_logprobs,
     token_values,
 )
-from rlhf.learner.models import ModelLoadError, check_model_dir, fingerprint, load_model
+from rlhf.learner.models import (
+    ModelLoadError,
+    check_model_dir,
+    checkpoint_names,
+    fingerprint,
+    load_model,
+)
 from rlhf.learner.objectives import (
     CriticObjective,
     DPOObjective,
@@ -115,6 +121,7 @@ __all__ = [
     "check_chunked_lm_head",
     "check_model_dir",
     "check_packing",
+    "checkpoint_names",
     "collate",
     "complete_checkpoints",
     "final_dir",

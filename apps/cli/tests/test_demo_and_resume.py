@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -131,3 +132,35 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
     assert b[3]["reward/mean"] == pytest.approx(sum(t["reward"] for t in samples) / 16, abs=1e-6)
     lengths = [sum(t["action_mask"]) for t in samples]
     assert b[3]["rollout/response_length_mean"] == pytest.approx(sum(lengths) / 16, abs=1e-6)
+
+
+def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets, tmp_path):
+    """The checkpoint is read before Ray starts: a run that is already done or has another
+    batch shape is refused naming the flag; no checkpoint at all is said, not passed over."""
+    common = [*small_run(assets, steps=2), "--ckpt.save_steps", "1"]
+    first = rlhf("train", "grpo", "--run_dir", str(tmp_path / "run"), *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = json.loads((tmp_path / "run/checkpoints/step-00000002/trainer_state.json").read_text())
+    assert state["shape"] == {"rollout.batch_size": 4, "rollout.n_samples_per_prompt": 4,
+                              "train.batch_size": 0, "train.ppo_epochs": 1}  # fmt: skip
+    resume = ["train", "grpo", "--run_dir", str(tmp_path / "run"), *common,
+              "--ckpt.load_enable", "True"]  # fmt: skip
+    done = rlhf(*resume, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "step-00000002 is at step 2: --train.num_steps 2 is done already" in done.stderr
+    reshaped = rlhf(*resume, "--train.num_steps", "3", "--rollout.batch_size", "2", timeout=300)
+    assert reshaped.returncode == 2, reshaped.stderr[-2000:]
+    assert (
+        "--rollout.batch_size is 2 but step-00000002 was written with 4: resume with the same "
+        "value, or start a new --run_dir" in reshaped.stderr
+    )
+    assert "Traceback" not in done.stderr + reshaped.stderr
+    # No checkpoint: said in the plan (this run then stops at a Ray address nothing answers at).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fresh = rlhf("train", "grpo", "--run_dir", str(tmp_path / "typo"), *common,
+                 "--ckpt.load_enable", "True", "--ray.address", f"127.0.0.1:{port}",
+                 timeout=300)  # fmt: skip
+    assert "[plan] resume: no checkpoint under" in fresh.stdout, fresh.stdout[-2000:]
+    assert "starting at step 0 (a new run)" in fresh.stdout

@@ -33,6 +33,7 @@ from rlhf.cli.config import RLConfig
 from rlhf.cli.data import Prompt, PromptSampler, prompt_sources
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
 from rlhf.cli.plan import plan
+from rlhf.cli.resume import check_resume, run_shape
 from rlhf.cli.roles import Roles, start_roles
 from rlhf.cli.sampling import Executors, evaluate, generate, staleness, to_samples
 from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
@@ -67,6 +68,8 @@ def run_rl(
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
     for line in plan(config):
         echo(f"[plan] {line}")
+    if config.ckpt.load_enable:
+        echo(f"[plan] resume: {check_resume(config, run_dir / 'checkpoints')}")
     torch.manual_seed(config.train.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
     sampler, eval_prompts = prompt_sources(config.data, tokenizer, seed=config.train.seed)
@@ -321,6 +324,7 @@ class RLDriver:
             "sampler": newest,
             "kl_controller": self.kl_ctl.state_dict(),
             "queue": [r.to_state() for r in queue],
+            "shape": run_shape(self.config),
         }
         keep = self.config.ckpt.keep
         self.enter("training", record=False)  # DeepSpeed saves the states from the device

@@ -72,14 +72,30 @@ def render(
         if not isinstance(row, Mapping) or key not in row:
             have = sorted(row) if isinstance(row, Mapping) else type(row).__name__
             raise DataSourceError(f"{source} row {index} has no {key!r} ({flag}); it has {have}")
-    text = str(row[config.input_key])
+    value = row[config.input_key]
+    where = f"{source} row {index}: {config.input_key!r} (--data.input_key)"
+    messages = _chat_messages(value)
+    if messages is not None and not config.apply_chat_template:
+        raise DataSourceError(
+            f"{where} is a list of chat messages: add --data.apply_chat_template True"
+        )
+    if messages is None and (isinstance(value, bool) or not isinstance(value, str | int | float)):
+        raise DataSourceError(
+            f"{where} is {type(value).__name__} {value!r:.60}, not text (a prompt is a string, "
+            "or a list of {'role', 'content'} messages with --data.apply_chat_template)"
+        )
+    text = "" if messages is not None else str(value)
+    if messages is None and not text.strip():
+        raise DataSourceError(f"{where} is empty")
     if config.apply_chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise DataSourceError(
                 "--data.apply_chat_template needs a tokenizer with a chat template"
             )
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            messages or [{"role": "user", "content": text}],
+            tokenize=False,
+            add_generation_prompt=True,
         )
     elif config.input_template:
         try:
@@ -90,6 +106,21 @@ def render(
                 " it takes the prompt as one positional '{}', e.g. 'Q: {}\\nA:'"
             ) from None
     return Prompt(text, row[config.label_key], source)
+
+
+def _chat_messages(value: Any) -> list[dict[str, str]] | None:
+    """``value`` as chat messages (a non-empty list of ``{"role", "content"}`` mappings with
+    text content), or None when it is not one."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(
+        isinstance(m, Mapping)
+        and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str)
+        for m in value
+    ):
+        return None
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def load_prompts(spec: str, config: DataConfig, tokenizer: Any) -> dict[str, list[Prompt]]:

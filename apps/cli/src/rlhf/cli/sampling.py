@@ -226,7 +226,7 @@ async def generate(
         **{
             k: float(v)
             for k, v in gen_metrics.items()
-            if k.startswith(("rollout/truncated", "reward/", "env/"))
+            if k.startswith(("rollout/truncated", "rollout/prompts_truncated", "reward/", "env/"))
         },
         "time/generation_s": time.perf_counter() - tick,
     }

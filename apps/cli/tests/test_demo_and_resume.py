@@ -155,6 +155,13 @@ def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets
         "value, or start a new --run_dir" in reshaped.stderr
     )
     assert "Traceback" not in done.stderr + reshaped.stderr
+    # A corrupt file is found inside a learner actor: its own message, not Ray's traceback.
+    (tmp_path / "run/checkpoints/step-00000002/rng/rank-0.pt").write_bytes(b"not a checkpoint")
+    corrupt = rlhf(*resume, "--train.num_steps", "3", timeout=600)
+    assert corrupt.returncode == 2, corrupt.stderr[-3000:]
+    last = corrupt.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlhf: ") and "rank-0.pt (the RNG state of rank 0) does not load" in last
+    assert "\x1b[" not in last and "RayTaskError" not in last
     # No checkpoint: said in the plan (this run then stops at a Ray address nothing answers at).
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

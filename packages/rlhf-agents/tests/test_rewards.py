@@ -268,6 +268,23 @@ except RewardError as e:
     assert "refused:" in out.stdout and "did not return within 0.3 s" in out.stdout
 
 
+def test_sys_exit_in_a_reward_function_is_a_failure_not_an_exit(tmp_path) -> None:
+    path = write(
+        tmp_path,
+        """
+        import sys
+        def reward_func(q, p, l, **kw):
+            sys.exit(3)
+        """,
+    )
+    with pytest.raises(
+        RewardError, match=r"raised on samples 0\.\.2: RuntimeError\(.*SystemExit\(3\)"
+    ):
+        score(FunctionReward.from_file(path))
+    out = score(FunctionReward.from_file(path, policy=FailurePolicy(on_failure="fallback")))
+    assert out.rewards == [0.0, 0.0, 0.0] and out.metrics["reward/fallback"] == 3
+
+
 def test_a_scorer_is_reusable_across_event_loops(tmp_path) -> None:
     path = write(tmp_path, "def reward_func(q, p, l, **kw):\n    return [1.0] * len(q)\n")
     scorer = FunctionReward.from_file(path)

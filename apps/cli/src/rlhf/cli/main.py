@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -116,9 +117,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         RewardError,
         EnvironmentStepError,
     ) as exc:
-        print(f"rlhf: {exc}", file=sys.stderr)
+        print(f"rlhf: {_message(exc)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _message(exc: BaseException) -> str:
+    """What to tell the user: an error raised inside a Ray actor arrives wrapped in Ray's
+    traceback (with terminal colour codes); its own message is the one that says what to do."""
+    cause = getattr(exc, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else exc)
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def _train(rest: list[str]) -> int:

@@ -49,8 +49,11 @@ async def in_daemon_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) 
         try:
             result = func(*args, **kwargs)
             outcome = functools.partial(done.set_result, result)
-        except BaseException as exc:  # handed to the awaiting coroutine
+        except Exception as exc:  # handed to the awaiting coroutine
             outcome = functools.partial(done.set_exception, exc)
+        except BaseException as exc:  # sys.exit() in user code must not end the caller
+            error = RuntimeError(f"{getattr(func, '__name__', func)!s} raised {exc!r}")
+            outcome = functools.partial(done.set_exception, error)
 
         def settle() -> None:
             if not done.done():  # not abandoned (timed out, cancelled)

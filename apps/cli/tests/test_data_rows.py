@@ -71,3 +71,20 @@ def test_truncated_prompts_are_counted_in_the_metrics(assets, tmp_path) -> None:
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (step,) = [r for r in rows if "reward/mean" in r]
     assert step["rollout/prompts_truncated"] == 4.0
+
+
+def test_pass_at_k_counts_solved_samples_not_partial_credit() -> None:
+    from rlhf.cli.sampling import pass_at
+
+    # Three prompts, four samples each, graded scores: prompt 0 solved twice, prompt 1 only
+    # partial credit, prompt 2 solved once.
+    scores = [[1.0, 0.5, 1.0, 0.0], [0.75, 0.5, 0.25, 0.75], [0.0, 0.0, 0.0, 1.0]]
+    out = pass_at(scores, k=4, threshold=1.0)
+    assert out["pass@1"] == pytest.approx((2 / 4 + 0 + 1 / 4) / 3)
+    assert out["pass@4"] == pytest.approx(2 / 3)  # "any score > 0" said 3/3
+    assert out["score_mean"] == pytest.approx((2.5 / 4 + 2.25 / 4 + 1 / 4) / 3)
+    # A 0/1 reward at threshold 1: pass@1 is the mean score, as before.
+    binary = [[1.0, 0.0], [0.0, 0.0]]
+    assert pass_at(binary, k=2, threshold=1.0) == {"pass@1": 0.25, "pass@2": 0.5,
+                                                   "score_mean": 0.25}  # fmt: skip
+    assert pass_at(scores, k=4, threshold=0.5)["pass@4"] == 1.0

@@ -332,15 +332,20 @@ class EvalConfig:
     Attributes:
         steps: Evaluate every this many RL steps (and before the first and after the last);
             0 disables.
-        n_samples: Samples per prompt (pass@k with k = n_samples; pass@1 is their mean).
+        n_samples: Samples per prompt: pass@k with k = n_samples, and pass@1 (the fraction
+            of a prompt's samples that solve it, averaged over prompts).
         temperature: Sampling temperature of the evaluation.
         max_prompts: Evaluate on at most this many prompts per data source.
+        solved_threshold: A sample solves its prompt when its score is at least this (1.0:
+            full marks of a 0/1 or graded reward; a graded reward's partial credit does not
+            count as solved). ``eval/<source>/score_mean`` reports the mean score itself.
     """
 
     steps: int = 10
     n_samples: int = 4
     temperature: float = 1.0
     max_prompts: int = 256
+    solved_threshold: float = 1.0
 
 
 @dataclass(frozen=True)

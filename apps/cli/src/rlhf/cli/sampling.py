@@ -261,8 +261,8 @@ def staleness(step: int, trajectories: Sequence[Any]) -> dict[str, float]:
 async def evaluate(
     executors: Executors, prompts: Mapping[str, Sequence[Prompt]], *, eval: EvalConfig
 ) -> dict[str, float]:
-    """pass@1 (mean score over ``eval.n_samples`` samples) and pass@k (any sample scored > 0)
-    per evaluation source, single-turn at ``eval.temperature``."""
+    """Per evaluation source, single-turn at ``eval.temperature``: `pass_at` of its prompts'
+    ``eval.n_samples`` scores."""
     out: dict[str, float] = {}
     k = eval.n_samples
     for name, items in prompts.items():
@@ -274,6 +274,19 @@ async def evaluate(
         for t in result.trajectories:
             scores.setdefault(t.prompt_index, []).append(float(t.score))
         per_prompt = [scores.get(i, [0.0]) for i in range(len(items))]
-        out[f"eval/{name}/pass@1"] = sum(sum(s) / len(s) for s in per_prompt) / len(per_prompt)
-        out[f"eval/{name}/pass@{k}"] = sum(max(s) > 0 for s in per_prompt) / len(per_prompt)
+        for metric, value in pass_at(per_prompt, k=k, threshold=eval.solved_threshold).items():
+            out[f"eval/{name}/{metric}"] = value
     return out
+
+
+def pass_at(scores: Sequence[Sequence[float]], *, k: int, threshold: float) -> dict[str, float]:
+    """Evaluation metrics of ``scores[prompt][sample]`` (``k`` samples each): ``pass@1`` (the
+    fraction of a prompt's samples scoring at least ``threshold``, averaged over prompts),
+    ``pass@k`` (the fraction of prompts with such a sample) and ``score_mean``."""
+    n = max(len(scores), 1)
+    solved = [[s >= threshold for s in row] for row in scores]
+    return {
+        "pass@1": sum(sum(row) / len(row) for row in solved if row) / n,
+        f"pass@{k}": sum(any(row) for row in solved) / n,
+        "score_mean": sum(sum(row) / len(row) for row in scores if row) / n,
+    }

@@ -136,6 +136,9 @@ def test_cuda_ipc_argument_checks_without_a_gpu() -> None:
 class Member:
     """A receiving rank of a broadcast group in a process of its own."""
 
+    def ready(self) -> bool:
+        return True
+
     def run(self, spec, rank: int, syncs: int) -> list:
         """Join, receive ``syncs`` syncs in order; per sync (version, buckets, tensors), or
         the error's type and message."""
@@ -152,7 +155,11 @@ class Member:
 
 
 def _spawn(spec, ranks, syncs: int) -> list:
-    return [Member.remote().run.remote(spec, r, syncs) for r in ranks]
+    """Receivers joining ``spec``, once their processes are up: on a loaded machine an actor's
+    start alone can outlast a short group timeout."""
+    members = [Member.remote() for _ in ranks]
+    ray.get([m.ready.remote() for m in members])
+    return [m.run.remote(spec, r, syncs) for m, r in zip(members, ranks, strict=True)]
 
 
 def test_gloo_broadcast_streams_syncs_in_order_to_every_rank(cluster) -> None:

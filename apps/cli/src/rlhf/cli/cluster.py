@@ -52,7 +52,7 @@ def _check_reachable(address: str, source: str, timeout_s: float = 5.0) -> None:
             f"{source} {address!r}: expected host:port of the Ray head, auto, or ray://host:port"
         )
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise ConfigError(
             f"{source} {address!r}: no Ray head answers there ({e.strerror or e}); start one "

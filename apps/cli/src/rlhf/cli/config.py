@@ -20,6 +20,16 @@ class ConfigError(ValueError):
     """An invalid combination of flags; the message names them."""
 
 
+def raise_problems(problems: list[str], *, where: str) -> None:
+    """Raise one `ConfigError` for ``problems``: the message itself when there is one, else
+    "N problems in <where>:" and one line each; nothing when the list is empty."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        listed = "\n".join(f"  - {message}" for message in problems)
+        raise ConfigError(f"{len(problems)} problems in {where}:\n{listed}")
+
+
 VERIFY_SYNC = {"off": "off", "cheap": "cheap", "full": "full", "True": "full", "False": "off"}
 """``--vllm.verify_sync`` values and the mode each means (booleans from before the modes)."""
 
@@ -436,11 +446,7 @@ class RLConfig:
         problems = self._backend_problems() + self._range_problems() + self._node_problems()
         if not problems:  # the combinations below assume the ranges hold
             problems = [message for bad, message in self._combination_checks() if bad]
-        if len(problems) == 1:
-            raise ConfigError(problems[0])
-        if problems:
-            listed = "\n".join(f"  - {message}" for message in problems)
-            raise ConfigError(f"{len(problems)} problems in the configuration:\n{listed}")
+        raise_problems(problems, where="the configuration")
         return self
 
     def _range_problems(self) -> list[str]:

@@ -21,7 +21,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rlhf.cli.config import ConfigError
+from rlhf.cli.config import ConfigError, raise_problems
 
 T = TypeVar("T")
 _MISMATCH = object()
@@ -58,11 +58,7 @@ def load(default: T, path: str) -> T:
         return f"{path}:{lines[dotted]}" if dotted in lines else path
 
     merged = _merge(default, values, prefix="", where=where, problems=problems)
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
-    if problems:
-        listed = "\n".join(f"  - {message}" for message in problems)
-        raise ConfigError(f"{len(problems)} problems in {path}:\n{listed}")
+    raise_problems(problems, where=path)
     return merged
 
 

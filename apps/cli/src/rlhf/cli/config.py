@@ -20,6 +20,12 @@ class ConfigError(ValueError):
     """An invalid combination of flags; the message names them."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on for a reason the user can act on (every sample's reward
+    failed under the skip policy, say); the message says what to do. ``rlhf`` prints it
+    without a traceback and exits 1."""
+
+
 def raise_problems(problems: list[str], *, where: str) -> None:
     """Raise one `ConfigError` for ``problems``: the message itself when there is one, else
     "N problems in <where>:" and one line each; nothing when the list is empty."""

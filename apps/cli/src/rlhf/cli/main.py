@@ -79,7 +79,7 @@ def env() -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from rlhf.agents import EnvironmentStepError, RewardError
-    from rlhf.cli.config import ConfigError
+    from rlhf.cli.config import ConfigError, RunError
     from rlhf.cli.data import DataSourceError
     from rlhf.learner import CheckpointError, DataError, ModelLoadError
 
@@ -119,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ) as exc:
         print(f"rlhf: {_message(exc)}", file=sys.stderr)
         return 2
+    except RunError as exc:
+        print(f"rlhf: {_message(exc)}", file=sys.stderr)
+        return 1
     return 0
 
 

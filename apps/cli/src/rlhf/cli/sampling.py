@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from rlhf.algos import AlgoConfig, dynamic_filter
-from rlhf.cli.config import ConfigError, EvalConfig, RewardConfig, RolloutConfig, TrainConfig
+from rlhf.cli.config import (
+    ConfigError,
+    EvalConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunError,
+    TrainConfig,
+)
 from rlhf.cli.data import Prompt, PromptSampler
 from rlhf.cli.schedule import Rollout
 from rlhf.learner import Samples
@@ -216,9 +223,11 @@ async def generate(
         trajectories += [tr for g in groups for tr in g]
     trajectories = trajectories[: rollout.batch_size * n]
     if not trajectories:
-        raise RuntimeError(
-            "every prompt group was dropped (dynamic filtering or the reward's skip policy); "
-            "widen --algo.dynamic_filtering_range or check the reward function"
+        raise RunError(
+            f"step {step}: every prompt group was dropped (by dynamic filtering, or every "
+            "sample's reward failed under --reward.failure_policy skip); widen "
+            "--algo.dynamic_filtering_range, fix the reward source or use "
+            "--reward.failure_policy fallback"
         )
     metrics: dict[str, Any] = {
         "rollout/dropped_groups": float(dropped_groups),

@@ -81,6 +81,13 @@ def test_a_reward_server_that_is_down_stops_the_run_naming_it(assets, tmp_path) 
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["reward/mean"] for r in steps] == [0.25, 0.25]
     assert [r["reward/fallback"] for r in steps] == [16.0, 16.0]  # 4 prompts x 4 samples
+    # Under the skip policy every sample drops out, so no group is left to train on: the run
+    # stops with a message (exit 1), not a traceback.
+    skip = ["--reward.failure_policy", "skip", "--reward.retries", "0"]
+    out = rlhf("train", "rloo", *_args(assets, tmp_path / "skip", url), *skip)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "step 1: every prompt group was dropped" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 HANGS = """

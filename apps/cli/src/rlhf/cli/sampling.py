@@ -224,7 +224,7 @@ async def generate(
     trajectories = trajectories[: rollout.batch_size * n]
     if not trajectories:
         raise RunError(
-            f"step {step}: every prompt group was dropped (by dynamic filtering, or every "
+            f"step {step + 1}: every prompt group was dropped (by dynamic filtering, or every "
             "sample's reward failed under --reward.failure_policy skip); widen "
             "--algo.dynamic_filtering_range, fix the reward source or use "
             "--reward.failure_policy fallback"

@@ -398,6 +398,36 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class PlanConfig:
+    """The machines ``--dry_run`` plans for (flags ``--plan.*``; `rlhf.cli.dry_run`).
+
+    Attributes:
+        gpu_memory_gib: Memory of one GPU in GiB (an H100 80GB has about 79, an H200 about
+            140).
+        gpus_per_node: GPUs per node.
+        host_memory_gib: Host memory of one node in GiB, checked against the states
+            offloaded to it; 0: not checked.
+    """
+
+    gpu_memory_gib: float = 80.0
+    gpus_per_node: int = 8
+    host_memory_gib: float = 0.0
+
+    def problems(self) -> list[str]:
+        """Values out of range, each naming its flag."""
+        out = []
+        if not self.gpu_memory_gib > 0:
+            out.append(f"--plan.gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
+        if self.gpus_per_node < 1:
+            out.append(f"--plan.gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.host_memory_gib < 0:
+            out.append(
+                f"--plan.host_memory_gib must be >= 0 (0: unchecked), got {self.host_memory_gib}"
+            )
+        return out
+
+
+@dataclass(frozen=True)
 class RLConfig:
     """``rlhf train <algorithm>``.
 
@@ -414,6 +444,10 @@ class RLConfig:
         ckpt: Checkpoints.
         ray: The Ray cluster (a local one, or one to join).
         reward: Reward sources and their failure policy.
+        dry_run: Print the capacity plan (each GPU's estimated memory by role, and whether
+            it fits) from the models' config.json alone, and exit: 0 when it fits, 1 when
+            not. Nothing starts (no Ray, no GPU, no weights read).
+        plan: The machines the capacity plan is for.
     """
 
     run_dir: str = "runs/rl"
@@ -428,6 +462,8 @@ class RLConfig:
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    dry_run: bool = False
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     @property
     def uses_critic(self) -> bool:
@@ -489,7 +525,7 @@ class RLConfig:
             problems.append(f"--rollout.top_p must be in (0, 1], got {r.top_p}")
         if r.top_k != -1 and r.top_k < 1:
             problems.append(f"--rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
-        return problems + self._reward_problems()
+        return problems + self._reward_problems() + self.plan.problems()
 
     def _reward_problems(self) -> list[str]:
         w, t = self.reward, self.train
@@ -582,7 +618,7 @@ class RLConfig:
     def _combination_checks(self) -> list[tuple[bool, str]]:
         return [
             (not self.actor.model.path, "--actor.model.path is required"),
-            (not self.data.prompt_data, "--data.prompt_data is required"),
+            (not self.data.prompt_data and not self.dry_run, "--data.prompt_data is required"),
             (
                 self.rollout.n_samples_per_prompt < 2 and self.algo.advantage.spec.needs_groups,
                 f"--algo.advantage.estimator={self.algo.advantage.estimator} compares samples "

@@ -140,16 +140,31 @@ def _train(rest: list[str]) -> int:
         print(f"usage: rlhf train {{{','.join(sorted(PRESETS))},sft,rm,dpo}} [flags]")
         return 0
     algo, flags = rest[0], rest[1:]
+    from rlhf.cli import dry_run
+
     if algo == "sft":
         from rlhf.cli.sft import SFTConfig, run_sft
 
-        run_sft(_parse(SFTConfig, flags, SFTConfig(), "rlhf train sft"))
+        sft = _parse(SFTConfig, flags, SFTConfig(), "rlhf train sft")
+        if sft.dry_run:
+            plan = dry_run.single_role_plan(
+                sft.validate().model, plan=sft.plan, label="model",
+                tokens=sft.micro_batch_tokens, outputs_scalar=False,
+            )  # fmt: skip
+            return dry_run.show(*plan)
+        run_sft(sft)
         return 0
     if algo in ("rm", "dpo"):
         from rlhf.cli.preference import PreferenceConfig, run_preference
 
         default = PreferenceConfig(run_dir=f"runs/{algo}")
         parsed = _parse(PreferenceConfig, flags, default, f"rlhf train {algo}")
+        if parsed.dry_run:
+            plan = dry_run.single_role_plan(
+                parsed.validate().model, plan=parsed.plan, label="model",
+                tokens=parsed.micro_batch_tokens, outputs_scalar=algo == "rm",
+            )  # fmt: skip
+            return dry_run.show(*plan)
         run_preference(parsed, kind=algo)
         return 0
     from rlhf.cli.config import RLConfig
@@ -158,6 +173,8 @@ def _train(rest: list[str]) -> int:
 
     watch = Stopwatch()  # from the interpreter's start: imports and parsing count
     config = _parse(RLConfig, flags, resolve(algo), f"rlhf train {algo}")
+    if config.dry_run:
+        return dry_run.show(*dry_run.capacity_plan(config.validate()))
     run_rl(config.validate(), stopwatch=watch)
     return 0
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.cli.backends import backend_factory, role_problems
-from rlhf.cli.config import ConfigError, RayConfig, RoleConfig, absolute_path
+from rlhf.cli.config import ConfigError, PlanConfig, RayConfig, RoleConfig, absolute_path
 from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import MetricsLog
 
@@ -45,6 +45,9 @@ class PreferenceConfig:
         seed: Shuffling and initialisation seed.
         model: The model (``--model.model.path``) and its optimizer/engine.
         ray: The Ray cluster (a local one, or one to join: ``--ray.address``).
+        dry_run: Print the capacity plan from the model's config.json alone and exit (0 when
+            it fits, 1 when not; `rlhf.cli.dry_run`); ``--dataset`` is not needed then.
+        plan: The machines the capacity plan is for.
     """
 
     run_dir: str = "runs/pref"
@@ -64,12 +67,16 @@ class PreferenceConfig:
     seed: int = 42
     model: RoleConfig = field(default_factory=RoleConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    dry_run: bool = False
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def validate(self) -> PreferenceConfig:
         if not self.model.model.path:
             raise ConfigError("--model.model.path is required")
-        if not self.dataset:
+        if not self.dataset and not self.dry_run:
             raise ConfigError("--dataset is required")
+        if self.plan.problems():
+            raise ConfigError("; ".join(self.plan.problems()))
         if min(self.batch_size, self.micro_batch_size, self.num_steps) < 1:
             raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
         problems = role_problems(self.model, flag="model")
@@ -80,6 +87,11 @@ class PreferenceConfig:
             run_dir=str(pathlib.Path(self.run_dir).resolve()),
             model=self.model.with_model(path=absolute_path(self.model.model.path)),
         )
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """Tokens of one micro-batch at full length (the capacity plan's activations)."""
+        return 2 * self.micro_batch_size * self.max_len
 
 
 def _pairs(path: str, config: PreferenceConfig, tokenizer: Any) -> list[tuple[Any, Any]]:

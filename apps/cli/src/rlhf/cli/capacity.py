@@ -1,0 +1,301 @@
+"""Device memory of one learner rank or one vLLM engine GPU, from the model's shape and the
+run's options alone: the arithmetic behind ``rlhf train … --dry_run`` (`rlhf.cli.dry_run`).
+
+Model states are counted exactly (bytes per parameter of each copy a backend keeps);
+activations follow the transformer's structure with constants fitted to peaks measured on an
+H200 (`ACTIVATION_LAYER_SCALE`, `LOGITS_BYTES_PER_VOCAB`, `FORWARD_LOGITS_BYTES_PER_VOCAB`; the
+measurements and the fit are
+in benchmarks/README.md, `bench_capacity.py`). Byte counts are what torch's allocator holds;
+`RUNTIME_BYTES` and `FRAGMENTATION` add what it does not show.
+
+Learner ranks (``p``: parameters on the rank after tensor parallelism, ``dp``: data-parallel
+replicas, ``w``: bytes of the compute dtype):
+
+============================  ===================  ==================  ==================
+DeepSpeed, bf16               weights              optimizer states    gradients (backward)
+============================  ===================  ==================  ==================
+ZeRO-0                        ``2p``               ``12p`` (fp32       ``2p``
+                                                   master + Adam)
+ZeRO-1 / ZeRO-2               ``2p``               ``12p / dp``        ``2p`` / ``2p / dp``
+ZeRO-3                        ``2p / dp`` + the    ``12p / dp``        ``2p / dp``
+                              gathered layers
+``offload_optimizer``         as above             0 (host)            one reduce bucket
+============================  ===================  ==================  ==================
+
+In float32 (``w`` 4) ZeRO-1/2/3 still keep their own flat float32 partitions beside the
+model's weights (``16p`` in all at ZeRO-2, one rank); ZeRO-0 steps torch's AdamW on the
+weights themselves (``12p``).
+
+molt (FSDP2, float32 shards, bf16 compute): ``offload none`` keeps ``12p / dp`` (shards and
+Adam) and ``4p / dp`` float32 gradients; ``optimizer`` keeps the ``4p / dp`` shards and the
+gradients (masters and Adam on the host); ``full`` keeps neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+
+ACTIVATION_LAYER_SCALE = 0.83
+"""Fitted: saved activations of one decoder layer are ``ACTIVATION_LAYER_SCALE * (36 h + 8 i)``
+bytes per token in bf16 (the structural count: norms kept in float32 and the attention's
+hidden-sized tensors ``36 h``; gate, up, activation and product of the MLP ``8 i``)."""
+
+LOGITS_BYTES_PER_VOCAB = 4.5
+"""Fitted: bytes per token per vocabulary entry held by the output head and the log-prob path
+at the backward's peak (bf16 logits and their gradient, and a float32 chunk)."""
+
+FORWARD_LOGITS_BYTES_PER_VOCAB = 3.5
+"""Fitted: the same for a forward without gradient (the reference's log-probs: bf16 logits
+and a float32 chunk of the log-softmax)."""
+
+FLOOR_BYTES = int(0.064 * GIB)
+"""Measured: what torch's allocator holds in every process once a matmul ran (cuBLAS
+workspaces), before and after any backend."""
+
+RUNTIME_BYTES = 1 * GIB
+"""Per process, outside torch's allocator: the CUDA context and kernels' modules."""
+
+FRAGMENTATION = 0.10
+"""Headroom on the allocator's bytes for its fragmentation (a plan that fits only without it
+is reported as not fitting)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """One process's device memory, in bytes, by what holds it.
+
+    Attributes:
+        parts: ``{"weights": …, "gradients": …, "optimizer states": …, "activations": …}``
+            as the allocator would hold them at the process's peak.
+        host: Bytes the process keeps in host memory (offloaded states, sleeping weights).
+    """
+
+    parts: dict[str, float]
+    host: float = 0.0
+
+    @property
+    def allocated(self) -> float:
+        """What torch's allocator holds at the peak."""
+        return sum(self.parts.values()) + FLOOR_BYTES
+
+    @property
+    def total(self) -> float:
+        """What the device must have free: the allocator's peak with its fragmentation
+        headroom, and the runtime outside it."""
+        return self.allocated * (1 + FRAGMENTATION) + RUNTIME_BYTES
+
+    def describe(self) -> str:
+        """``41.2 GiB (weights 2.9 + … ; host 0.0)``."""
+        parts = ", ".join(
+            f"{name} {value / GIB:.1f}" for name, value in self.parts.items() if value
+        )
+        host = f"; host {self.host / GIB:.1f} GiB" if self.host else ""
+        return f"{self.total / GIB:.1f} GiB ({parts}, runtime and headroom{host})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerLoad:
+    """What one learner rank holds and computes.
+
+    Attributes:
+        params: Parameters of the whole model.
+        layer_params: Parameters of one decoder layer.
+        embedding_params: Input embedding plus an untied output head.
+        vocab_matrix: One vocabulary x hidden matrix (the embedding, or the head): what
+            ZeRO-3 gathers whole for the first or the last step of a forward.
+        hidden: ``h``.
+        intermediate: ``i``.
+        layers: ``L``.
+        outputs: Width of the output head: the vocabulary for a policy, 1 for a value or
+            score head.
+        tokens: Tokens of one micro-batch on this rank (rows x padded length, or the packed
+            budget), before context-parallel splitting.
+        trains: False for eval-only roles (the reference, a reward model): no gradients, no
+            optimizer, no activations kept for a backward.
+        trainable: Parameters the optimizer updates (all, or the LoRA adapters').
+        tp: Tensor-parallel degree.
+        cp: Context-parallel degree (ring attention): the sequence is split this many ways.
+        dp: Data-parallel replicas.
+        compute_bytes: 2 for bf16 compute, 4 for float32.
+        gradient_checkpointing: Only each layer's input is kept; one layer is recomputed at a
+            time in the backward.
+        logits_held: False with the chunked output head (no logits tensor is kept).
+    """
+
+    params: int
+    layer_params: int
+    embedding_params: int
+    vocab_matrix: int
+    hidden: int
+    intermediate: int
+    layers: int
+    outputs: int
+    tokens: int
+    trains: bool = True
+    trainable: int | None = None
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    compute_bytes: int = 2
+    gradient_checkpointing: bool = False
+    logits_held: bool = True
+
+    @property
+    def rank_params(self) -> int:
+        """Parameters on one rank: the decoder layers split ``tp`` ways, the rest (embedding,
+        untied head, final norm) whole."""
+        decoder = self.layers * self.layer_params
+        return self.params - decoder + -(-decoder // self.tp)
+
+    @property
+    def rank_trainable(self) -> int:
+        """Trained parameters on one rank."""
+        if self.trainable is None:
+            return self.rank_params
+        return -(-self.trainable // self.tp)
+
+    def activations(self) -> float:
+        """Bytes of activations at the backward's peak (forward-only roles: one layer's worth
+        and the logits)."""
+        h, i, tokens = self.hidden, self.intermediate, -(-self.tokens // self.cp)
+        scale = ACTIVATION_LAYER_SCALE * self.compute_bytes / 2
+        layer = scale * (20 * h + (16 * h + 8 * i) / self.tp) * tokens
+        per_vocab = LOGITS_BYTES_PER_VOCAB if self.trains else FORWARD_LOGITS_BYTES_PER_VOCAB
+        head = per_vocab * self.outputs * tokens if self.logits_held else 0.0
+        if not self.trains:
+            return layer + head
+        if self.gradient_checkpointing:
+            return self.layers * self.compute_bytes * h * tokens + layer + head
+        return self.layers * layer + head
+
+
+def deepspeed_memory(
+    load: LearnerLoad,
+    *,
+    zero_stage: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+    reduce_bucket_elements: int = 500_000_000,
+) -> Memory:
+    """One DeepSpeed rank (bf16 when ``load.compute_bytes`` is 2: bf16 weights and
+    gradients, float32 masters; float32 otherwise: the weights are the masters)."""
+    p, t, w, dp = load.rank_params, load.rank_trainable, load.compute_bytes, load.dp
+    masters = 4 * t if w == 2 or zero_stage >= 1 else 0  # ZeRO's flat float32 partitions
+    states = (masters + 8 * t) / (dp if zero_stage >= 1 else 1) if load.trains else 0.0
+    weights = 0.0 if offload_params else w * p / (dp if zero_stage == 3 else 1)
+    gathered = 0.0
+    if zero_stage == 3:  # the layers gathered around the one computing, and the head
+        gathered = w * (2 * load.layer_params / load.tp + load.vocab_matrix)
+    if not load.trains:
+        gradients = 0.0
+    elif offload_optimizer:
+        gradients = min(w * t, w * reduce_bucket_elements)
+    else:
+        gradients = w * t / (dp if zero_stage >= 2 else 1)
+    host = 0.0
+    if offload_optimizer and load.trains:
+        host += states
+        states = 0.0
+    if offload_params:
+        host += w * p / dp
+    return Memory(
+        parts={
+            "weights": weights,
+            "gathered layers": gathered,
+            "optimizer states": states,
+            "gradients": gradients,
+            "activations": load.activations(),
+        },
+        host=host,
+    )
+
+
+def molt_memory(
+    load: LearnerLoad, *, offload: str, param_dtype_bytes: int, reshard_after_forward: bool
+) -> Memory:
+    """One FSDP2 rank: float32 shards (``4p / dp``), AdamW moments (``8p / dp``), float32
+    sharded gradients, and the compute-dtype copies of the gathered layers."""
+    p, t, dp = load.rank_params, load.rank_trainable, load.dp
+    shards = 4 * p / dp
+    adam = 8 * t / dp if load.trains else 0.0
+    gradients = 4 * t / dp if load.trains else 0.0
+    copies = 0.0
+    if param_dtype_bytes != 4 or dp > 1:  # the unsharded compute copies
+        held = p if not reshard_after_forward else 2 * load.layer_params / load.tp
+        copies = param_dtype_bytes * (held + load.embedding_params)
+    on_device = offload != "full"
+    host = {"none": 0.0, "optimizer": shards + adam, "full": shards + adam + gradients}[offload]
+    return Memory(
+        parts={
+            "weights": (shards if on_device else 0.0) + copies,
+            "optimizer states": adam if offload == "none" else 0.0,
+            "gradients": gradients if on_device else 0.0,
+            "activations": load.activations(),
+        },
+        host=host,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineLoad:
+    """One vLLM engine GPU.
+
+    Attributes:
+        params: Parameters of the whole model.
+        weight_bytes: Bytes per weight as served (``--vllm.dtype``).
+        kv_bytes_per_token: Key and value bytes of one token over all layers, whole model.
+        tp: Tensor-parallel degree of the engine.
+        pp: Pipeline-parallel degree.
+        kv_heads: Key/value heads (replicated when fewer than ``tp``).
+        gpu_memory_utilization: The share of the GPU the engine takes.
+        vocab: Vocabulary size (the sampler's logits).
+        max_num_seqs: Sequences scheduled at once.
+        hidden: ``h``.
+        intermediate: ``i``.
+        max_num_batched_tokens: Tokens of one scheduled step (what vLLM 0.25 chose with our
+            engine options on an H200).
+    """
+
+    params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    tp: int
+    pp: int
+    kv_heads: int
+    gpu_memory_utilization: float
+    vocab: int
+    max_num_seqs: int
+    hidden: int
+    intermediate: int
+    max_num_batched_tokens: int = 2048
+
+    @property
+    def weights(self) -> float:
+        """Bytes of weights on one GPU (vLLM splits the head and embedding too)."""
+        return self.weight_bytes * self.params / (self.tp * self.pp)
+
+    @property
+    def kv_per_token(self) -> float:
+        """KV bytes per token on one GPU: heads split ``tp`` ways (replicated below one
+        head per GPU), layers ``pp`` ways."""
+        split = min(self.tp, self.kv_heads)
+        return self.kv_bytes_per_token / (split * self.pp)
+
+    @property
+    def workspace(self) -> float:
+        """What vLLM's profiling run peaks at besides the weights: a full scheduled batch's
+        activations and the sampler's float32 logits."""
+        tokens = self.max_num_batched_tokens
+        act = 2 * tokens * (4 * self.hidden + 2 * self.intermediate) / self.tp
+        return act + 4 * 2 * self.max_num_seqs * self.vocab / self.tp
+
+    def kv_cache_bytes(self, gpu_bytes: float) -> float:
+        """What is left for the KV cache inside the engine's share of the GPU."""
+        share = self.gpu_memory_utilization * gpu_bytes
+        return share - self.weights - self.workspace - RUNTIME_BYTES
+
+    def kv_tokens(self, gpu_bytes: float) -> int:
+        """Tokens the KV cache holds (0 when the weights do not fit in the share)."""
+        return max(int(self.kv_cache_bytes(gpu_bytes) // self.kv_per_token), 0)

@@ -1,0 +1,287 @@
+"""The capacity planner (``rlhf train … --dry_run``, `rlhf.cli.capacity`): its counts against
+real transformers models and DeepSpeed engines, its estimates against peaks measured on an
+H200, and the command end to end."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from rlhf.cli.config import ConfigError, RoleConfig
+from rlhf.cli.dry_run import learner_memory
+from rlhf.cli.model_shape import ModelShape
+
+from .conftest import rlhf
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+MEASURED = pathlib.Path(__file__).parent / "data" / "measured_peaks.json"
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 384,
+}
+
+
+def _configs() -> dict[str, object]:
+    return {
+        "qwen2-tied": Qwen2Config(**TINY, tie_word_embeddings=True),
+        "qwen2-untied": Qwen2Config(**TINY, tie_word_embeddings=False),
+        "llama-no-bias": LlamaConfig(**TINY, tie_word_embeddings=False),
+        "llama-bias-head-dim": LlamaConfig(**TINY, attention_bias=True, head_dim=32),
+    }
+
+
+def _shape_of(config: object, tmp_path: pathlib.Path) -> ModelShape:
+    config.save_pretrained(tmp_path)  # type: ignore[attr-defined]
+    return ModelShape.read(tmp_path, flag="--actor.model.path")
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+def test_the_shape_counts_every_parameter_of_the_transformers_model(name, tmp_path):
+    config = _configs()[name]
+    model_cls = Qwen2ForCausalLM if isinstance(config, Qwen2Config) else LlamaForCausalLM
+    model = model_cls(config)
+    shape = _shape_of(config, tmp_path)
+    assert shape.params == sum(p.numel() for p in model.parameters())  # tied: counted once
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert shape.layer_params == layer
+
+
+def test_kv_bytes_per_token_equal_what_a_forward_caches(tmp_path):
+    config = Qwen2Config(**TINY)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    tokens = 11
+    cache = model(torch.randint(0, 384, (1, tokens)), use_cache=True).past_key_values
+    held = sum(
+        layer.keys.numel() * layer.keys.element_size()
+        + layer.values.numel() * layer.values.element_size()
+        for layer in cache.layers
+    )
+    shape = _shape_of(config, tmp_path)
+    assert shape.kv_bytes_per_token(dtype_bytes=2) * tokens == held
+
+
+def test_a_config_without_a_field_or_with_experts_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(
+        ConfigError, match=r"--actor.model.path .*'intermediate_size' \(None\), 'num_hidden_layers'"
+    ):
+        ModelShape.read(tmp_path, flag="--actor.model.path")
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "num_local_experts": 8}))
+    with pytest.raises(ConfigError, match="mixture-of-experts model"):
+        ModelShape.read(tmp_path, flag="--actor.model.path")
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelShape.read(tmp_path / "missing", flag="--actor.model.path")
+
+
+def _resident_bytes(backend) -> int:
+    """Bytes of every distinct storage the rank keeps between steps: its parameters (their
+    ZeRO-3 partitions), everything its optimizer holds, and ZeRO's flat buffers."""
+    seen: dict[int, int] = {}
+
+    def add(tensor) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+
+    for param in backend.module.parameters():
+        add(getattr(param, "ds_tensor", param.data))
+    optimizer = backend.engine.optimizer
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in inner.state.values():
+        for value in state.values():
+            add(value)
+    for group in inner.param_groups:
+        for param in group["params"]:
+            add(param.data)
+    for flat in ("bit16_groups_flat", "single_partition_of_fp32_groups",
+                 "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat"):  # fmt: skip
+        for tensor in getattr(optimizer, flat, None) or []:
+            add(tensor)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_deepspeed_states_after_a_step_are_what_the_planner_counts(stage, tmp_path):
+    """float32 on CPU, one rank: ZeRO-0 steps AdamW on the weights (12 bytes per parameter),
+    ZeRO-2/3 keep flat float32 partitions beside them (16); the only difference allowed is
+    ZeRO's alignment padding and the optimizer's step counters (< 0.1 %)."""
+    from rlhf.algos import AlgoConfig, loss_normalizer
+    from rlhf.learner import (
+        DeepSpeedBackend,
+        DeepSpeedConfig,
+        LearnerConfig,
+        ModelConfig,
+        PPOActorObjective,
+    )
+    from rlhf.molt import init_distributed
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_learner import rl_batch
+
+    config = Qwen2Config(**TINY, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    init_distributed()
+    role = RoleConfig(
+        model=ModelConfig(path=str(tmp_path)), deepspeed=DeepSpeedConfig(zero_stage=stage)
+    )
+    backend = DeepSpeedBackend(LearnerConfig(model=role.model, deepspeed=role.deepspeed))
+    try:
+        batch = rl_batch(rows=2, length=16, vocab=TINY["vocab_size"])
+        norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
+        objective = PPOActorObjective(algo=AlgoConfig(), normalizer=norm, entropy_metric=False)
+        backend.train_micro_batches([batch], objective)
+        measured = _resident_bytes(backend)
+    finally:
+        backend.close()
+    shape = ModelShape.read(tmp_path, flag="--actor.model.path")
+    memory = learner_memory(role, shape, tokens=32, trains=True, outputs=shape.vocab)
+    counted = memory.parts["weights"] + memory.parts["optimizer states"]
+    assert counted == pytest.approx(measured, rel=1e-3)
+    assert counted == (12 if stage == 0 else 16) * shape.params
+
+
+def test_estimates_are_within_15_percent_of_the_peaks_measured_on_an_h200(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_capacity import CASES, estimate
+    from bench_learner import SCALES
+
+    measured = json.loads(MEASURED.read_text())["peaks"]
+    ratios = {}
+    for point in measured:
+        model_dir = tmp_path / point["size"]
+        Qwen2Config(**SCALES[point["size"]], tie_word_embeddings=True).save_pretrained(model_dir)
+        ratio = estimate(CASES[point["case"]], model_dir) / point["gib"]
+        ratios[f"{point['size']}/{point['case']}"] = ratio
+    outside = {key: round(r, 3) for key, r in ratios.items() if not 0.85 <= r <= 1.15}
+    assert not outside, f"estimate/measured outside 0.85–1.15: {outside}"
+    assert len(ratios) >= 10
+
+
+def _config_dir(tmp_path: pathlib.Path, name: str, **fields: object) -> pathlib.Path:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
+    return path
+
+
+LLAMA_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_dry_run_prints_each_gpu_and_exits_0_when_it_fits_1_when_not(tmp_path):
+    model = _config_dir(tmp_path, "llama8b", **LLAMA_8B)  # config.json only: no weights
+    flags = [
+        "train", "grpo", "--dry_run", "True", "--actor.model.path", str(model),
+        "--actor.deepspeed.bf16", "True", "--actor.deepspeed.zero_stage", "3",
+        "--actor.num_ranks", "4", "--actor.model.gradient_checkpointing", "True",
+        "--train.micro_batch_size", "1", "--rollout.max_len", "4096",
+        "--rollout.max_new_tokens", "3072", "--vllm.num_engines", "2",
+        "--vllm.tensor_parallel_size", "2", "--algo.kl.init_coef", "0",
+        "--plan.gpu_memory_gib", "80", "--run_dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    done = rlhf(*flags, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "[capacity] 8 GPU(s) of 80 GiB" in out
+    assert "GPU 0-3: actor" in out and "GPU 4-7: vLLM engine" in out
+    assert "sequences of --rollout.max_len 4096 at once" in out
+    assert out.strip().endswith("fits (estimates; see rlhf.cli.capacity)")
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+    small = rlhf(*flags[:-4], "--plan.gpu_memory_gib", "24", timeout=120)
+    assert small.returncode == 1
+    assert "DOES NOT FIT" in small.stdout
+
+
+def test_dry_run_reads_the_shape_and_names_a_missing_config(tmp_path):
+    done = rlhf(
+        "train", "grpo", "--dry_run", "True", "--actor.model.path", str(tmp_path / "nowhere"),
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--actor.model.path" in done.stderr and "no config.json" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("kind", ["sft", "rm", "dpo"])
+def test_dry_run_of_the_single_model_commands(kind, tmp_path):
+    model = _config_dir(tmp_path, "llama8b", **LLAMA_8B)
+    done = rlhf(
+        "train", kind, "--dry_run", "True", "--model.model.path", str(model),
+        "--model.num_ranks", "8", "--model.deepspeed.zero_stage", "3",
+        "--model.deepspeed.bf16", "True", "--micro_batch_size", "1", "--max_len", "2048",
+        "--plan.gpu_memory_gib", "80", timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "GPU 0-7: model" in done.stdout
+    memory_line = next(line for line in done.stdout.splitlines() if "GPU 0-7" in line)
+    assert "optimizer states 11.2" in memory_line  # 12 bytes x 8.03e9 parameters / 8 ranks
+
+
+def test_the_70b_layout_in_the_readme_fits_as_written(tmp_path):
+    """apps/cli/README.md's 70B GRPO layout: its command, run as written on a config.json of
+    that shape, fits on 8 nodes x 8 H200."""
+    readme = (ROOT / "apps" / "cli" / "README.md").read_text()
+    block = readme.split("<!-- capacity-70b -->")[1].split("```bash")[1].split("```")[0]
+    args = block.replace("\\\n", " ").split()
+    assert args[:3] == ["rlhf", "train", "grpo"]
+    model = _config_dir(
+        tmp_path, "llama70b", hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=128256, torch_dtype="bfloat16",
+    )  # fmt: skip
+    args = [str(model) if a == "/models/llama-3-70b" else a for a in args[1:]]
+    done = rlhf(*args, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "64 GPU(s) of 140 GiB" in done.stdout and "8 node(s)" in done.stdout
+
+
+def test_one_layer_scale_is_linear_in_the_micro_batch(tmp_path):
+    """Activations grow with the micro-batch's tokens; the model states do not."""
+    model = _config_dir(tmp_path, "m", **LLAMA_8B)
+    shape = ModelShape.read(model, flag="--actor.model.path")
+    role = RoleConfig()
+    small = learner_memory(role, shape, tokens=1024, trains=True, outputs=shape.vocab)
+    large = learner_memory(role, shape, tokens=4096, trains=True, outputs=shape.vocab)
+    assert large.parts["activations"] == pytest.approx(4 * small.parts["activations"])
+    assert large.parts["optimizer states"] == small.parts["optimizer states"]
+    assert large.allocated > small.allocated > 16 * shape.params  # float32 ZeRO-2 states
+
+
+def test_kv_cache_estimate_is_within_15_percent_of_what_vllm_allocated_on_an_h200(tmp_path):
+    """The KV-cache tokens of `rlhf.cli.dry_run.engine_load` against ``num_gpu_blocks x
+    block_size`` of a real engine (bench_capacity.py --engines) with the same options."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_learner import SCALES
+    from rlhf.cli.config import RLConfig, VllmConfig
+    from rlhf.cli.dry_run import engine_load
+
+    engines = json.loads(MEASURED.read_text())["engines"]
+    assert engines
+    for point in engines:
+        model_dir = tmp_path / point["size"]
+        Qwen2Config(**SCALES[point["size"]], tie_word_embeddings=True).save_pretrained(model_dir)
+        vllm = VllmConfig(
+            dtype=point["dtype"], gpu_memory_utilization=point["gpu_memory_utilization"]
+        )
+        config = RLConfig(vllm=vllm)
+        shape = ModelShape.read(model_dir, flag="--actor.model.path")
+        tokens = engine_load(config, shape).kv_tokens(point["gpu_bytes"])
+        assert 0.85 <= tokens / point["kv_tokens"] <= 1.15, (point, tokens)

@@ -207,6 +207,8 @@ def test_sft_joins_the_cluster_on_the_node_it_names(assets, tmp_path, cluster) -
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     placement = json.loads((tmp_path / "sft" / "placement.json").read_text())
+    pids = placement["model"].pop("pids")
+    assert len(pids) == 1 and int(pids[0]) != os.getpid()  # the rank's own process
     assert placement == {
         "model": {"node_spec": "pool=rollout", "placement_group": [None],
                   "nodes": [cluster["rollout"]]}

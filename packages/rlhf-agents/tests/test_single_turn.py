@@ -129,3 +129,27 @@ def test_executor_rejects_a_budget_without_room(tokenizer, generator, counting_r
     )
     with pytest.raises(ValueError, match="got 2 prompts but 1 labels"):
         asyncio.run(executor.run(prompts=["a", "b"], labels=[1]))
+
+
+def test_samples_failing_together_raise_once_and_leave_no_unretrieved_exception():
+    """Two samples that fail in the same step (the engine under both died): the first error is
+    raised and asyncio has nothing left to report as "never retrieved"."""
+    import gc
+
+    from rlhf.agents._aio import gather_or_cancel
+
+    reported: list[dict] = []
+
+    async def fails(n: int) -> int:
+        await asyncio.sleep(0)
+        raise RuntimeError(f"engine died under sample {n}")
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
+        with pytest.raises(RuntimeError, match="engine died under sample"):
+            await gather_or_cancel([fails(0), fails(1), fails(2)])
+        gc.collect()  # unretrieved task exceptions are reported when the task is collected
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert reported == []

@@ -239,14 +239,22 @@ def processes(where: list[dict[str, str | None]]) -> dict[str, list[str | None]]
     return {
         "placement_group": [w["placement_group"] for w in where],
         "nodes": [w["node"] for w in where],
+        "pids": [w.get("pid") for w in where],
     }
 
 
 def where_this_process_runs(*_: Any) -> dict[str, str | None]:
-    """The Ray node and placement group (None: none) of the calling actor, for
-    ``run_dir/placement.json``."""
+    """The Ray node, placement group (None: none), process id and actor id of the calling
+    actor, for ``run_dir/placement.json`` (and to name a process that dies)."""
+    import os
+
     import ray
 
     context = ray.get_runtime_context()
     group = context.get_placement_group_id()
-    return {"node": context.get_node_id(), "placement_group": str(group) if group else None}
+    return {
+        "node": context.get_node_id(),
+        "placement_group": str(group) if group else None,
+        "pid": str(os.getpid()),
+        "actor_id": context.get_actor_id(),
+    }

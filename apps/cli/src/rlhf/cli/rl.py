@@ -26,11 +26,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from ray.exceptions import RayActorError
 
 from rlhf.algos import make_kl_controller
 from rlhf.cli.cluster import start_ray
 from rlhf.cli.config import RLConfig
 from rlhf.cli.data import Prompt, PromptSampler, prompt_sources
+from rlhf.cli.faults import actor_died
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
 from rlhf.cli.plan import plan
 from rlhf.cli.resume import check_resume, run_shape
@@ -139,6 +141,9 @@ def run_rl(
         driver.transport.close()
         (run_dir / "sync.json").write_text(json.dumps(report(transport, why, roles.engines)))
         return {"last": driver.last, "evaluations": driver.evaluations}
+    except RayActorError as exc:
+        names = roles.process_names
+        raise actor_died(exc, ckpt_root=run_dir / "checkpoints", names=names) from None
     finally:
         log.close()
         roles.shutdown()

@@ -83,6 +83,8 @@ class Roles:
     reward_model: LearnerGroup | None
     placement: Placement
     turns: TurnTaking | None
+    process_names: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Ray actor id -> "actor rank 0", "vLLM engine 1", …: filled by `report_placement`."""
 
     def learner_groups(self) -> dict[str, LearnerGroup]:
         groups = {
@@ -107,6 +109,11 @@ class Roles:
             return list(await asyncio.gather(*(e.run(_where_engine_runs) for e in self.engines)))
 
         seen["engines"] = asyncio.run(engines())
+        self.process_names = {
+            str(w["actor_id"]): f"{'vLLM engine' if name == 'engines' else name + ' rank'} {k}"
+            for name, where in seen.items()
+            for k, w in enumerate(where)
+        }
         nodes = self.placement.nodes
         return {
             name: {

@@ -28,12 +28,15 @@ async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+    # Ask every finished task for its exception: two that failed together (both samples of a
+    # dead engine) would otherwise log "Task exception was never retrieved" at exit.
+    errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]
+    failed = next((e for e in errors if e is not None), None)
     if failed is not None:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        raise failed.exception()  # type: ignore[misc]
+        raise failed
     return [t.result() for t in tasks]
 
 

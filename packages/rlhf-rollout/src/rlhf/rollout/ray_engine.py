@@ -284,10 +284,15 @@ class RayEngine:
         return self._get(self.handle.metrics.remote())
 
     def shutdown(self) -> None:
-        """Stop the engine and end the actor."""
-        import ray
+        """Stop the engine and end the actor (one that already died is only released)."""
+        import contextlib
 
-        ray.get(self.handle.shutdown.remote())
+        import ray
+        from ray.exceptions import RayActorError
+
+        # One that died under the run (killed, out of memory) has nothing left to stop.
+        with contextlib.suppress(RayActorError):
+            ray.get(self.handle.shutdown.remote())
         ray.kill(self.handle)
 
 

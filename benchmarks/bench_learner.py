@@ -26,9 +26,17 @@
    With ``--packing`` the packing comparison of 3 runs at those sizes too (8 rows of up to 2048
    tokens), for each attention backend of ``--attn`` (``sdpa`` builds a dense block-causal
    mask over the packed row; ``flex_attention`` skips the masked blocks).
+   With ``--deepcompile`` the actor step (`DeepSpeedBackend`, `PPOActorObjective`, bf16,
+   ZeRO ``--zero-stage``, default 1) with ``deepspeed.deepcompile`` off and on: two backends in
+   this process alternating rounds on the same 8 x 2048-token batch as one micro-batch (the
+   backend refuses DeepCompile over several: its accumulation was measured wrong), after
+   ``--warmup`` untimed steps each (DeepCompile profiles its first steps, then recompiles with
+   its schedule); ratio = median tokens/s on / off, both first losses (equal when the
+   compiled forward is right), and the peak memory of a step above what was allocated before.
 
 Usage: python benchmarks/bench_learner.py [--json out.json] [--quick]
-       [--scale 0.5B,1.5B [--packing] [--attn sdpa,flex_attention]]
+       [--scale 0.5B,1.5B [--packing] [--attn sdpa,flex_attention]
+        [--deepcompile [--zero-stage 1] [--warmup 8]]]
 """
 
 from __future__ import annotations
@@ -309,6 +317,76 @@ def bench_option(
     }
 
 
+def bench_deepcompile(
+    model_dir: pathlib.Path,
+    *,
+    rounds: int,
+    warmup: int,
+    stage: int,
+    shape: dict[str, int] = SHAPE,
+    rows: int = 8,
+    length: int = 2048,
+) -> dict[str, Any]:
+    """The bf16 actor step with ``deepspeed.deepcompile`` off and on: two backends, the same
+    fixed-shape batch as one micro-batch (no recompiles), ``warmup`` untimed steps each, then
+    ``rounds`` alternating timed ones."""
+    from rlhf.algos import AlgoConfig, loss_normalizer
+    from rlhf.learner import (
+        DeepSpeedBackend,
+        DeepSpeedConfig,
+        LearnerConfig,
+        ModelConfig,
+        OptimizerConfig,
+        PPOActorObjective,
+    )
+
+    backends = {
+        name: DeepSpeedBackend(
+            LearnerConfig(
+                model=ModelConfig(path=str(model_dir)),
+                optimizer=OptimizerConfig(lr=1e-6, grad_clip=1.0),
+                deepspeed=DeepSpeedConfig(zero_stage=stage, bf16=True, deepcompile=value),
+            )
+        )
+        for name, value in (("off", False), ("on", True))
+    }
+    device = backends["off"].device
+    batch = rl_batch(rows=rows, length=length, vocab=shape["vocab_size"])
+    micro = [batch.to(device)]
+    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
+    objective = PPOActorObjective(algo=AlgoConfig(), normalizer=norm, entropy_metric=False)
+    tokens = int(batch.attention_mask.sum())
+    times: dict[str, list[float]] = {name: [] for name in backends}
+    losses: dict[str, float] = {}
+    peak_gib: dict[str, float] = {}
+    for r in range(warmup + rounds):
+        for name in list(backends)[:: 1 if r % 2 else -1]:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            start = time.perf_counter()
+            out = backends[name].train_micro_batches(micro, objective)
+            torch.cuda.synchronize(device)
+            losses.setdefault(name, out["loss"])  # the first step's: both start equal
+            if r >= warmup:
+                times[name].append(time.perf_counter() - start)
+                extra = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+                peak_gib[name] = max(peak_gib.get(name, 0.0), extra)
+    off_s, on_s = (statistics.median(times[n]) for n in ("off", "on"))
+    flops = step_flops(shape, rows=rows, length=length)
+    return {
+        "zero_stage": stage,
+        "tokens_per_step": float(tokens),
+        "first_loss_off": losses["off"],
+        "first_loss_on": losses["on"],
+        "off_s_per_step": off_s,
+        "on_s_per_step": on_s,
+        "on_mfu_h200": flops / on_s / H200_BF16_DENSE_FLOPS,
+        "off_step_extra_peak_gib": peak_gib["off"],
+        "on_step_extra_peak_gib": peak_gib["on"],
+        "ratio_tokens_per_s_on_over_off": off_s / on_s,
+    }
+
+
 def _status_kib(field: str) -> int:
     for line in pathlib.Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field):
@@ -372,6 +450,11 @@ def main() -> None:
     parser.add_argument("--packing", action="store_true", help="with --scale: packed vs padded")
     parser.add_argument("--attn", default="sdpa", help="with --packing: attention backends")
     parser.add_argument("--chunked", action="store_true", help="with --scale: chunked lm_head")
+    parser.add_argument(
+        "--deepcompile", action="store_true", help="with --scale: deepcompile off vs on"
+    )
+    parser.add_argument("--zero-stage", type=int, default=1, help="with --deepcompile")
+    parser.add_argument("--warmup", type=int, default=8, help="with --deepcompile: untimed")
     parser.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -386,6 +469,15 @@ def main() -> None:
         for size in args.scale.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 make_model(pathlib.Path(tmp), SCALES[size])
+                if args.deepcompile:
+                    key = f"deepcompile_{size}_zero{args.zero_stage}"
+                    results[key] = bench_deepcompile(
+                        pathlib.Path(tmp), rounds=rounds, warmup=args.warmup,
+                        stage=args.zero_stage, shape=SCALES[size],
+                    )  # fmt: skip
+                    print(f"{key}:", json.dumps(results[key]), flush=True)
+                    torch.cuda.empty_cache()
+                    continue
                 if args.chunked:
                     key = f"chunked_lm_head_{size}"
                     results[key] = bench_option(

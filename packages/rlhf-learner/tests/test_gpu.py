@@ -77,3 +77,75 @@ def test_chunked_lm_head_on_cuda_equals_the_logits_path(tmp_path) -> None:
     # bf16 gradients summed in another order: compare them as a whole.
     cosine = torch.nn.functional.cosine_similarity(chunked_grad.flatten(), plain_grad.flatten(), 0)
     assert cosine > 0.999, cosine
+
+
+def _steps(config, batch, objective, *, steps: int) -> tuple[list[dict], dict, list]:
+    """``steps`` actor steps of ``batch`` as one micro-batch on one in-process rank, then the
+    log-probs of the batch (an eval forward) and the full state."""
+    from rlhf.learner import DeepSpeedBackend, token_logprobs
+
+    backend = DeepSpeedBackend(config)
+    try:
+        outs = [backend.train_micro_batches([batch], objective) for _ in range(steps)]
+        logprobs = backend.forward_micro_batches(
+            [batch], lambda m, b: token_logprobs(m, b.input_ids, b.attention_mask)[0]
+        )
+        state = backend.state_dict_on_rank0()
+        if config.deepspeed.deepcompile:  # several micro-batches a step: refused
+            halves = [batch.select([0, 1, 2]), batch.select([3, 4, 5])]
+            with pytest.raises(ValueError, match="runs 2 micro-batches on a rank"):
+                backend.train_micro_batches(halves, objective)
+    finally:
+        backend.close()
+    assert state is not None
+    return outs, state, logprobs
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepcompile_steps_equal_the_eager_ones(tmp_path, stage) -> None:
+    """``deepspeed.deepcompile`` on one GPU, float32: three actor steps of one micro-batch
+    (no clipping) give the uncompiled engine's losses and gradient norms, then the same eval
+    log-probs and weights; a step of two micro-batches is refused. The compiled kernels fuse
+    and reorder float32 sums (TF32 stays off), so values agree to ~1e-5 relative: 1e-4 on
+    the metrics; AdamW with ``eps`` 1 moves a weight by at most ``lr`` times a gradient's
+    error, so the weights agree to ``lr * 1e-4`` after three steps."""
+    from transformers import Qwen2ForCausalLM
+
+    from rlhf.algos import AlgoConfig, loss_normalizer
+    from rlhf.learner import (
+        DeepSpeedConfig,
+        LearnerConfig,
+        ModelConfig,
+        OptimizerConfig,
+        PPOActorObjective,
+    )
+
+    from .test_units import _rl_batch
+
+    _tiny_bf16_model(tmp_path, vocab_size=512)  # a float32 checkpoint of it is loaded below
+    model = Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    batch = _rl_batch(model, seed=2)
+    norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
+    objective = PPOActorObjective(algo=AlgoConfig(), normalizer=norm)
+    lr = 1e-3
+
+    def config(deepcompile: bool) -> LearnerConfig:
+        return LearnerConfig(
+            model=ModelConfig(path=str(tmp_path)),
+            optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, eps=1.0),
+            deepspeed=DeepSpeedConfig(zero_stage=stage, deepcompile=deepcompile),
+        )
+
+    eager, eager_state, eager_lp = _steps(config(False), batch, objective, steps=3)
+    compiled, state, lp = _steps(config(True), batch, objective, steps=3)
+    # Losses first: the later steps' say whether the updates were right, the norms whether
+    # DeepSpeed reports them right (no clipping, so a wrong norm cannot change an update).
+    assert [o["loss"] for o in compiled] == pytest.approx([o["loss"] for o in eager], rel=1e-4)
+    norms = [o["grad_norm"] for o in eager]
+    assert [o["grad_norm"] for o in compiled] == pytest.approx(norms, rel=1e-4)
+    for got, want in zip(lp, eager_lp, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    moved = [n for n in state if not torch.equal(state[n], model.state_dict()[n].cpu())]
+    assert moved  # the steps trained (the comparison below can fail)
+    for name, tensor in eager_state.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=lr * 1e-4, msg=name)

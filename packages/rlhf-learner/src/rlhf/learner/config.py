@@ -131,6 +131,17 @@ class DeepSpeedConfig:
             many adjacent ranks, attention exact by ring attention
             (`rlhf.learner.context_parallel`); it must divide the role's ranks (data
             parallel = ranks / ring_attn_size).
+        tp_size: Tensor-parallel group size (DeepSpeed AutoTP training): the decoder's linear
+            layers split over this many adjacent ranks as the model's transformers
+            tensor-parallel plan says (`rlhf.learner.tensor_parallel`); it must divide the
+            role's ranks (data parallel = ranks / tp_size) and the model's attention and
+            key/value heads. ZeRO stage 0–2; not with ``ring_attn_size``, LoRA or the chunked
+            lm_head. Weight syncs, HF exports and log-probs see whole tensors.
+        deepcompile: Compile the model with DeepSpeed's DeepCompile (``engine.compile()``
+            after initialisation), which schedules ZeRO's collectives inside the compiled
+            graph. Training roles on CUDA GPUs, ZeRO stage 1–3, ``tp_size`` 1, one
+            micro-batch per rank and optimizer step (DeepCompile's accumulation over several
+            was measured wrong); an eval-only role runs uncompiled.
     """
 
     zero_stage: int = 2
@@ -138,6 +149,8 @@ class DeepSpeedConfig:
     offload_params: bool = False
     bf16: bool = False
     ring_attn_size: int = 1
+    tp_size: int = 1
+    deepcompile: bool = False
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -146,6 +159,25 @@ class DeepSpeedConfig:
             raise ValueError("deepspeed.offload_params needs deepspeed.zero_stage=3")
         if self.ring_attn_size < 1:
             raise ValueError(f"deepspeed.ring_attn_size must be >= 1, got {self.ring_attn_size}")
+        if self.tp_size < 1:
+            raise ValueError(f"deepspeed.tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.ring_attn_size > 1:
+            raise ValueError(
+                f"deepspeed.tp_size {self.tp_size} with deepspeed.ring_attn_size "
+                f"{self.ring_attn_size}: not combined yet (DeepSpeed's tensor-parallel groups and "
+                "the rings would split the same ranks); set one of them to 1"
+            )
+        if self.deepcompile and self.zero_stage == 0:
+            raise ValueError(
+                "deepspeed.deepcompile needs deepspeed.zero_stage 1, 2 or 3 (DeepSpeed "
+                "compiles ZeRO's collectives into the graph; at stage 0 it would fall back to "
+                "plain torch.compile)"
+            )
+        if self.deepcompile and self.tp_size > 1:
+            raise ValueError(
+                f"deepspeed.deepcompile with deepspeed.tp_size {self.tp_size}: not combined yet "
+                "(untested); use one of the two"
+            )
 
 
 @dataclass(frozen=True)

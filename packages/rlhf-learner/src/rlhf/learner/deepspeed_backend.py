@@ -13,6 +13,18 @@ fewer micro-batches repeats its first one with weight 0.
 
 Under ZeRO-3 the model is built under ``transformers.integrations.HfDeepSpeedConfig`` (wrapping
 ``from_pretrained`` in ``deepspeed.zero.Init`` fails with transformers 5.19).
+
+``deepspeed.tp_size`` > 1 runs DeepSpeed's AutoTP training (`rlhf.learner.tensor_parallel`):
+the ranks of one tensor-parallel group share a data-parallel coordinate (``dp_rank``) and run
+the same micro-batches; DeepSpeed averages gradients over the ``dp_size`` replicas only, so the
+``dp_size`` loss scale above stays exact. An eval-only role at tp_size > 1 gets an engine too
+(ZeRO stage 0: nothing else to partition without an optimizer). Everything that reads the
+weights (weight streaming, HF export, the fingerprint) sees them whole.
+
+``deepspeed.deepcompile`` compiles a training engine with DeepCompile. DeepSpeed refuses
+caller-owned accumulation with it, so such an engine runs DeepSpeed's managed accumulation
+over one micro-batch: a step of several micro-batches per rank is refused (see
+`check_compiled_passes`).
 """
 
 from __future__ import annotations
@@ -36,6 +48,14 @@ from rlhf.learner.export import write_hf_export
 from rlhf.learner.forward import check_chunked_lm_head, check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
 from rlhf.learner.optim import build_optimizer
+from rlhf.learner.tensor_parallel import (
+    ShardLayout,
+    autotp_section,
+    check_saved_tp_size,
+    tensor_parallel_group,
+    tensor_parallel_problems,
+    write_saved_tp_size,
+)
 
 
 def init_distributed() -> None:
@@ -51,9 +71,11 @@ def init_distributed() -> None:
 
 
 def ds_config(config: LearnerConfig) -> dict[str, Any]:
-    """The DeepSpeed JSON config of a role."""
+    """The DeepSpeed JSON config of a role (an eval-only role's under tensor parallelism
+    at ZeRO stage 0: DeepSpeed's stages 1–2 need an optimizer)."""
     ds = config.deepspeed
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    stage = 0 if ds.tp_size > 1 and config.optimizer is None else ds.zero_stage
+    zero: dict[str, Any] = {"stage": stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if ds.offload_params:
@@ -61,10 +83,17 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
     if ds.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     opt = config.optimizer
+    compiled = _compiled(config)
+    extra: dict[str, Any] = {}
+    if ds.tp_size > 1:
+        extra["tensor_parallel"] = autotp_section(ds.tp_size)
+    if compiled:
+        extra["compile"] = {"deepcompile": True}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "managed_gradient_accumulation": False,
+        "managed_gradient_accumulation": compiled,
         "gradient_clipping": opt.grad_clip if opt is not None else 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": ds.bf16},
@@ -74,6 +103,41 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def _compiled(config: LearnerConfig) -> bool:
+    """Whether the role's engine runs DeepCompile (training roles with the option)."""
+    return config.deepspeed.deepcompile and config.optimizer is not None
+
+
+def check_deepcompile(config: LearnerConfig) -> None:
+    """Raise ValueError naming ``--deepspeed.deepcompile`` when this process cannot run it."""
+    if not _compiled(config):
+        return
+    from deepspeed.compile.util import is_deepcompile_supported
+
+    if not is_deepcompile_supported():
+        raise ValueError(
+            "--deepspeed.deepcompile needs a CUDA GPU (and torch >= 2.6): DeepSpeed runs "
+            "DeepCompile on its cuda accelerator only, and this rank has "
+            f"{'none' if not torch.cuda.is_available() else 'an unsupported torch'}; set it "
+            "to False on CPUs"
+        )
+
+
+def check_compiled_passes(passes: int) -> None:
+    """Raise ValueError naming ``--deepspeed.deepcompile`` for a step of more than one
+    micro-batch per rank: on an H200 (DeepSpeed 0.19.8, torch 2.11, float32) three
+    micro-batches accumulated under DeepCompile (``set_gradient_accumulation_boundary`` on
+    the last) gave the uncompiled step's loss but a gradient norm of 3.39 against 4.32 at
+    ZeRO-1 and 0 at ZeRO-2, and bf16 at ZeRO-1 aborted in DeepCompile's reduce buckets."""
+    if passes > 1:
+        raise ValueError(
+            f"--deepspeed.deepcompile: this step runs {passes} micro-batches on a rank, and "
+            "DeepSpeed's compiled ZeRO passes were measured to lose gradients accumulated over "
+            "several micro-batches; give each rank one micro-batch per optimizer step (a "
+            "larger micro-batch or token budget) or turn deepcompile off"
+        )
 
 
 class DeepSpeedBackend:
@@ -90,17 +154,23 @@ class DeepSpeedBackend:
         self.config = config
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
-        cp = config.deepspeed.ring_attn_size
+        cp, tp = config.deepspeed.ring_attn_size, config.deepspeed.tp_size
         check_group_size(cp, world_size=self.world_size, flag="deepspeed.ring_attn_size")
         if cp > 1 and (config.model.lora_rank or config.model.chunked_lm_head):
             raise ValueError(
                 "deepspeed.ring_attn_size with model.lora_rank or model.chunked_lm_head: not "
                 "combined yet; use ring_attn_size 1 for those"
             )
-        self.dp_size = self.world_size // cp
-        """Data-parallel replicas: the ranks / ``ring_attn_size`` (a ring's ranks run the
-        same rows, each on its block of the sequence)."""
-        self.dp_rank = self.rank // cp
+        problems = tensor_parallel_problems(
+            deepspeed=config.deepspeed, model=config.model, world_size=self.world_size
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
+        check_deepcompile(config)
+        self.dp_size = self.world_size // (cp * tp)
+        """Data-parallel replicas: the ranks / (``ring_attn_size`` × ``tp_size``) (a ring's
+        or a tensor-parallel group's adjacent ranks run the same rows)."""
+        self.dp_rank = self.rank // (cp * tp)
         self.device = shared.rank_device()
         torch.manual_seed(config.seed)
         self._ds_config = ds_config(config)
@@ -122,13 +192,20 @@ class DeepSpeedBackend:
             )
             self.engine.checkpoint_engine = TensorsOnlyLoads(self.engine.checkpoint_engine)
             self._module = self.engine.module
-        elif config.deepspeed.zero_stage == 3:
+            if _compiled(config):
+                self.engine.compile()
+        elif config.deepspeed.zero_stage == 3 or tp > 1:
             self.engine, *_ = deepspeed.initialize(model=model, config=self._ds_config)
             self._module = self.engine.module
         else:
             dtype = torch.bfloat16 if config.deepspeed.bf16 else None
             self._module = model.to(device=self.device, dtype=dtype)
         self._module.eval()
+        self._tp: ShardLayout | None = None
+        """Which parameters are tensor-parallel shards (None at tp_size 1)."""
+        if tp > 1:
+            group = tensor_parallel_group(tp_size=tp, rank=self.rank)
+            self._tp = ShardLayout.of(self._module, group=group)
         if config.model.packing_samples:
             check_packing(self._runner(), device=self.device, flag="model.packing_samples")
         if config.model.chunked_lm_head:
@@ -170,11 +247,14 @@ class DeepSpeedBackend:
             raise ValueError("train_micro_batches needs at least one micro-batch on every rank")
         engine = self.engine
         engine.train()
+        passes = self._passes(len(micro_batches))
+        if _compiled(self.config):
+            check_compiled_passes(passes)
         out = shared.train_passes(
             micro_batches,
             objective,
             runner=engine,
-            passes=self._passes(len(micro_batches)),
+            passes=passes,
             weights=weights,
             placed=self._placed,
             backward=lambda loss, w: engine.backward(
@@ -267,8 +347,12 @@ class DeepSpeedBackend:
 
     # -- checkpoints and export ----------------------------------------------------------
     def fingerprint(self) -> dict[str, list[int]]:
-        """Parameter names → full shapes."""
-        return fingerprint(self._module)
+        """Parameter names → full shapes (whole also where tensor parallelism splits them)."""
+        shapes = fingerprint(self._module)
+        if self._tp is not None:
+            params = dict(self._module.named_parameters())
+            shapes = {n: self._tp.full_shape(n, params[n].shape) for n in shapes}
+        return shapes
 
     def save_checkpoint(self, directory: str, *, client_state: Mapping[str, Any]) -> None:
         """Write engine state (model, optimizer, scheduler) and this rank's RNG states."""
@@ -277,6 +361,8 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(
             str(pathlib.Path(directory) / "backend"), tag="state", client_state=dict(client_state)
         )
+        if self.rank == 0:
+            write_saved_tp_size(directory, tp_size=self.config.deepspeed.tp_size)
         ckpt.write_rank_rng(directory, self.rank)
         if self._ema is not None:
             shared.save_ema(directory, self.rank, self._ema)
@@ -287,6 +373,7 @@ class DeepSpeedBackend:
         state = ckpt.validate(directory, self.fingerprint())
         if self.engine is None or self.config.optimizer is None:
             return state
+        check_saved_tp_size(directory, tp_size=self.config.deepspeed.tp_size)
         path, _ = self.engine.load_checkpoint(
             str(pathlib.Path(directory) / "backend"),
             tag="state",
@@ -301,8 +388,14 @@ class DeepSpeedBackend:
         return state
 
     def named_full_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """Each parameter unsharded (gathered one at a time under ZeRO-3), in checkpoint
-        names, LoRA adapters merged; a yielded tensor is valid until the next is requested."""
+        """Each parameter unsharded (gathered one at a time under ZeRO-3 and over the
+        tensor-parallel group), in checkpoint names, LoRA adapters merged; a yielded tensor is
+        valid until the next is requested."""
+        if self._tp is not None:
+            layout = self._tp
+            for name, param in self._module.named_parameters():
+                yield name, layout.full(name, param.detach())
+            return
         gather = None
         if self.config.deepspeed.zero_stage == 3 and self.engine is not None:
             import deepspeed

@@ -73,6 +73,35 @@ def test_grpo_trains_and_syncs_with_a_tensor_parallel_actor(assets, tmp_path) ->
     ]
 
 
+def test_grpo_trains_and_syncs_with_a_deepspeed_autotp_actor(assets, tmp_path) -> None:
+    """``--actor.deepspeed.tp_size 2``: DeepSpeed AutoTP splits the actor's linear layers over
+    2 ranks (ZeRO-1), the reference is split likewise; it trains, every sync streams whole
+    weights the engine verifies one by one, and the export is whole."""
+    out = rlhf(
+        "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=2),
+        "--actor.deepspeed.tp_size", "2", "--actor.num_ranks", "2",
+        "--actor.deepspeed.zero_stage", "1", "--algo.kl.init_coef", "0.01",
+        "--vllm.verify_sync", "full",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "actor 2 rank(s) ZeRO-1, dp 1 x tp 2 (AutoTP)" in out.stdout
+    placement = json.loads((tmp_path / "placement.json").read_text())
+    assert len(placement["ref"]["placement_group"]) == 2  # one replica: both tp ranks
+    steps = _steps(tmp_path)
+    assert sorted(steps) == [1, 2] and all(r["actor/grad_norm"] > 0 for r in steps.values())
+    assert json.loads((tmp_path / "sync.json").read_text())["engines_loaded"] == [
+        {"shared_memory": 2}
+    ]
+    exported = json.loads((tmp_path / "final" / "config.json").read_text())
+    source = json.loads((assets["model"] / "config.json").read_text())
+    assert exported["hidden_size"] == source["hidden_size"]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "final" / "model.safetensors"))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape == (source["hidden_size"], source["hidden_size"])  # whole, not a shard
+
+
 def test_grpo_trains_with_the_sequence_split_over_context_parallel_ranks(assets, tmp_path) -> None:
     """Each row's sequence split over 2 ranks (ring attention), the reference likewise: it
     trains and every sync is verified weight by weight."""
@@ -225,6 +254,25 @@ def test_sft_trains_on_fsdp2(assets, tmp_path) -> None:
                 *("--actor.fsdp.tp_size", "2", "--actor.num_ranks", "2"),
             ],
             "--actor.model.chunked_lm_head with --actor.fsdp.tp_size 2",
+        ),
+        (
+            ["--actor.deepspeed.tp_size", "2"],
+            "--actor.deepspeed.tp_size 2 must divide the role's 1 rank(s)",
+        ),
+        (
+            [
+                *("--actor.deepspeed.tp_size", "2", "--actor.num_ranks", "2"),
+                *("--actor.deepspeed.zero_stage", "3"),
+            ],
+            "--actor.deepspeed.tp_size 2 with --actor.deepspeed.zero_stage 3",
+        ),
+        (
+            ["--actor.deepspeed.tp_size", "4", "--actor.num_ranks", "4"],
+            "--actor.deepspeed.tp_size 4 must divide the model's num_key_value_heads (2)",
+        ),
+        (
+            ["--actor.deepspeed.deepcompile", "True"],
+            "--actor.deepspeed.deepcompile needs GPUs (--actor.num_gpus_per_rank > 0)",
         ),
     ],
 )

@@ -52,6 +52,8 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
             "installed: pip install 'rlhf-cli[cpu]' (or 'rlhf-cli[gpu]', or peft itself)"
         )
     problems += _context_parallel_problems(role, flag=flag)
+    if role.backend == "deepspeed":
+        problems += _deepspeed_problems(role, flag=flag)
     if role.backend != "molt":
         return problems
     try:
@@ -97,6 +99,30 @@ def _context_parallel_problems(role: RoleConfig, *, flag: str) -> list[str]:
         problems.append(
             f"--{named} with --{flag}.model.lora_rank or --{flag}.model.chunked_lm_head: "
             "not combined yet; set it to 1 for those"
+        )
+    return problems
+
+
+def _deepspeed_problems(role: RoleConfig, *, flag: str) -> list[str]:
+    """``--{flag}.deepspeed.tp_size`` (AutoTP) against the ranks, the ZeRO stage, LoRA, the
+    chunked lm_head, context parallelism and the model's heads, and
+    ``--{flag}.deepspeed.deepcompile`` against ranks without GPUs (DeepSpeed compiles on
+    CUDA only)."""
+    from rlhf.learner.tensor_parallel import tensor_parallel_problems
+
+    ds = role.deepspeed
+    problems = tensor_parallel_problems(
+        deepspeed=ds, model=role.model, world_size=role.num_ranks, prefix=f"{flag}."
+    )
+    if ds.tp_size > 1 and role.ring_attn_size > 1:
+        problems.append(
+            f"--{flag}.deepspeed.tp_size {ds.tp_size} with --{flag}.ring_attn_size "
+            f"{role.ring_attn_size}: not combined yet; set one of them to 1"
+        )
+    if ds.deepcompile and not role.num_gpus_per_rank:
+        problems.append(
+            f"--{flag}.deepspeed.deepcompile needs GPUs (--{flag}.num_gpus_per_rank > 0): "
+            "DeepSpeed runs DeepCompile on CUDA only; set it to False on CPUs"
         )
     return problems
 

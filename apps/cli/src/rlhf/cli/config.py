@@ -137,8 +137,8 @@ class RoleConfig:
             or ``molt`` (PyTorch FSDP2, the ``fsdp`` options); `rlhf.cli.backends`.
         deepspeed: ZeRO stage, offload, bf16 (``--actor.backend deepspeed``).
         fsdp: FSDP2 options (``--actor.backend molt``; Molt's ``--fsdp.*`` names).
-        num_ranks: Ranks (processes): data-parallel replicas x ``fsdp.tp_size`` x the
-            context-parallel size.
+        num_ranks: Ranks (processes): data-parallel replicas x the tensor-parallel size
+            (``fsdp.tp_size`` or ``deepspeed.tp_size``) x the context-parallel size.
         num_gpus_per_rank: GPUs per rank (0 on CPU).
         num_cpus_per_rank: CPUs each rank reserves in Ray.
         ring_attn_size: Context parallel (OpenRLHF's name): each row's sequence split over
@@ -190,17 +190,23 @@ class RoleConfig:
         """A scoring role modelled on this one (the reference, the reward model): one rank;
         with ``offload``, DeepSpeed ZeRO-3 with its parameters on the CPU between uses (on
         the deepspeed backend whatever this role's is: parameter offload is DeepSpeed's; the
-        logits path then, since ZeRO-3 shards the lm_head outside its forward). One
-        data-parallel replica: ``fsdp.tp_size`` × the context-parallel size ranks (it stays
+        logits path then, since ZeRO-3 shards the lm_head outside its forward; AutoTP off, as
+        it does not combine with ZeRO-3: the replica's ranks are then data parallel). One
+        data-parallel replica: the tensor-parallel × the context-parallel size ranks (it stays
         split as this role is)."""
-        tp = self.fsdp.tp_size if self.backend == "molt" else 1
-        replica = tp * self.context_parallel
+        replica = self.tensor_parallel * self.context_parallel
         role = dataclasses.replace(self, num_ranks=replica)
         if not offload:
             return role
-        ds = dataclasses.replace(role.deepspeed, zero_stage=3, offload_params=True)
+        ds = dataclasses.replace(role.deepspeed, zero_stage=3, offload_params=True, tp_size=1)
         model = dataclasses.replace(role.model, chunked_lm_head=False)
         return dataclasses.replace(role, deepspeed=ds, model=model, backend="deepspeed")
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel size on the role's backend (``fsdp.tp_size`` or
+        ``deepspeed.tp_size``)."""
+        return self.fsdp.tp_size if self.backend == "molt" else self.deepspeed.tp_size
 
     def with_model(self, **changes: object) -> RoleConfig:
         """This role with ``model`` fields changed."""

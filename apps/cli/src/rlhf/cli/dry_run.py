@@ -71,18 +71,11 @@ def compute_bytes(role: RoleConfig) -> int:
     return 2 if role.deepspeed.bf16 else DTYPE_BYTES.get(role.model.dtype, 4)
 
 
-def tensor_parallel(role: RoleConfig) -> int:
-    """The role's tensor-parallel degree on its backend."""
-    if role.backend == "molt":
-        return role.fsdp.tp_size
-    return int(getattr(role.deepspeed, "tp_size", 1))
-
-
 def learner_memory(
     role: RoleConfig, shape: ModelShape, *, tokens: int, trains: bool, outputs: int
 ) -> Memory:
     """One rank of ``role`` on its backend."""
-    tp, cp = tensor_parallel(role), role.context_parallel
+    tp, cp = role.tensor_parallel, role.context_parallel
     model = role.model
     load = LearnerLoad(
         params=shape.params,

@@ -54,7 +54,8 @@ def trains_on(role: RoleConfig) -> str:
     ``, dp <n> x tp <m>`` when the model is split over tensor-parallel ranks (``, sequence
     parallel`` when the sequence is split too), ``, dp <n> x cp <m>`` when each row's sequence
     is split over context-parallel ranks, and ``, compiled`` with ``fsdp.compile``; on
-    DeepSpeed ``, dp <n> x ring <m>`` with ring attention."""
+    DeepSpeed ``, dp <n> x ring <m>`` with ring attention, ``, dp <n> x tp <m> (AutoTP)`` with
+    ``deepspeed.tp_size`` and ``, DeepCompile`` with ``deepspeed.deepcompile``."""
     if role.backend == "molt":
         tp, cp = role.fsdp.tp_size, role.context_parallel
         mesh = f", dp {role.num_ranks // tp} x tp {tp}" if tp > 1 else ""
@@ -62,9 +63,11 @@ def trains_on(role: RoleConfig) -> str:
         mesh += f", dp {role.num_ranks // cp} x cp {cp}" if cp > 1 else ""
         compiled = ", compiled" if role.fsdp.compile else ""
         return f"FSDP2 (molt, {role.fsdp.param_dtype}{mesh}{compiled})"
-    cp = role.context_parallel
-    ring = f", dp {role.num_ranks // cp} x ring {cp}" if cp > 1 else ""
-    return f"ZeRO-{role.deepspeed.zero_stage}{ring}"
+    cp, tp = role.context_parallel, role.deepspeed.tp_size
+    mesh = f", dp {role.num_ranks // cp} x ring {cp}" if cp > 1 else ""
+    mesh += f", dp {role.num_ranks // tp} x tp {tp} (AutoTP)" if tp > 1 else ""
+    compiled = ", DeepCompile" if role.deepspeed.deepcompile else ""
+    return f"ZeRO-{role.deepspeed.zero_stage}{mesh}{compiled}"
 
 
 def mode(t: TrainConfig) -> str:

@@ -210,6 +210,42 @@ def test_dry_run_prints_each_gpu_and_exits_0_when_it_fits_1_when_not(tmp_path):
     assert "DOES NOT FIT" in small.stdout
 
 
+def test_dry_run_of_ppo_places_critic_reference_and_reward_model_as_the_run_does(tmp_path):
+    """PPO with a reward model: actor, reference, critic and engine on a GPU each (the critic
+    from the actor's path, as the run starts it), the reward model beside critic rank 0
+    under ``--train.colocate_critic_reward``; the critic has no vocabulary head, so its
+    activations are smaller than the actor's."""
+    model = _config_dir(tmp_path, "llama8b", **LLAMA_8B)
+    rm = _config_dir(tmp_path, "rm", **{**LLAMA_8B, "num_hidden_layers": 8})
+    done = rlhf(
+        "train", "ppo", "--dry_run", "True", "--actor.model.path", str(model),
+        "--train.reward_model_path", str(rm), "--train.colocate_critic_reward", "True",
+        "--actor.deepspeed.bf16", "True", "--critic.deepspeed.bf16", "True",
+        "--plan.gpu_memory_gib", "200", timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = {
+        line.split(":")[0].removeprefix("[capacity] "): line for line in done.stdout.splitlines()
+    }
+    assert "4 GPU(s) of 200 GiB" in done.stdout
+    gpus = [lines[f"GPU {k}"] for k in range(4)]
+    roles = ["actor", "critic", "reference", "vLLM engine"]
+    holding = {
+        role: [k for k, line in enumerate(gpus) if f": {role} " in line or f"; {role} " in line]
+        for role in roles
+    }
+    assert sorted(k for ks in holding.values() for k in ks) == [0, 1, 2, 3]  # one GPU each
+    critic_gpu = gpus[holding["critic"][0]]
+    assert "; reward model " in critic_gpu  # beside critic rank 0
+
+    def activations(line: str, role: str) -> float:
+        part = line.split(f"{role} ")[1]
+        return float(part.split("activations ")[1].split(",")[0])
+
+    actor_gpu = gpus[holding["actor"][0]]
+    assert activations(critic_gpu, "critic") < activations(actor_gpu, "actor")
+
+
 def test_dry_run_reads_the_shape_and_names_a_missing_config(tmp_path):
     done = rlhf(
         "train", "grpo", "--dry_run", "True", "--actor.model.path", str(tmp_path / "nowhere"),

@@ -171,7 +171,8 @@ def rl_layout(config: RLConfig) -> tuple[list[Gpu], list[str]]:
         memory = learner_memory(ref, actor, tokens=tokens, trains=False, outputs=actor.vocab)
         side.append(("reference", memory, "actor" if t.colocate_actor_ref else ""))
     if config.uses_critic:
-        critic = ModelShape.read(config.critic.model.path, flag="--critic.model.path")
+        path = config.critic.model.path or config.actor.model.path  # as the run starts it
+        critic = ModelShape.read(path, flag="--critic.model.path")
         memory = learner_memory(config.critic, critic, tokens=tokens, trains=True, outputs=1)
         roles.append(("critic", config.critic.num_ranks, memory))
     if t.reward_model_path:

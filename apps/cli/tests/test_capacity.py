@@ -321,3 +321,23 @@ def test_kv_cache_estimate_is_within_15_percent_of_what_vllm_allocated_on_an_h20
         shape = ModelShape.read(model_dir, flag="--actor.model.path")
         tokens = engine_load(config, shape).kv_tokens(point["gpu_bytes"])
         assert 0.85 <= tokens / point["kv_tokens"] <= 1.15, (point, tokens)
+
+
+def test_a_tensor_parallel_reference_takes_a_gpu_per_rank_of_its_replica(tmp_path):
+    """The reference runs as one replica of the actor's shape: with ``deepspeed.tp_size`` 2
+    it holds two GPUs, each with half the decoder weights."""
+    from rlhf.cli.config import replace
+    from rlhf.cli.dry_run import rl_layout
+    from rlhf.cli.presets import resolve
+
+    model = _config_dir(tmp_path, "m", **LLAMA_8B)
+    config = replace(
+        resolve("grpo"),
+        **{"actor.model.path": str(model), "actor.num_ranks": 2, "actor.deepspeed.tp_size": 2},
+    )
+    gpus, _ = rl_layout(config)
+    refs = [p for gpu in gpus for p in gpu.learners if p.label.startswith("reference")]
+    assert [p.label for p in refs] == ["reference rank 0", "reference rank 1"]
+    shape = ModelShape.read(model, flag="--actor.model.path")
+    split = shape.params - shape.layers * shape.layer_params // 2  # float32: 4 bytes each
+    assert refs[0].memory.parts["weights"] == 4 * split

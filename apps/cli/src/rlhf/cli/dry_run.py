@@ -165,11 +165,12 @@ def rl_layout(config: RLConfig) -> tuple[list[Gpu], list[str]]:
         ("actor", config.actor.num_ranks,
          learner_memory(config.actor, actor, tokens=tokens, trains=True, outputs=actor.vocab)),
     ]  # fmt: skip
-    side: list[tuple[str, Memory, str]] = []  # eval-only roles: (label, memory, beside)
+    side: list[tuple[str, int, Memory, str]] = []  # eval-only: (label, ranks, memory, beside)
     if config.uses_reference:
         ref = config.actor.eval_only(offload=t.ref_reward_offload)
         memory = learner_memory(ref, actor, tokens=tokens, trains=False, outputs=actor.vocab)
-        side.append(("reference", memory, "actor" if t.colocate_actor_ref else ""))
+        beside = "actor" if t.colocate_actor_ref else ""
+        side.append(("reference", ref.num_ranks, memory, beside))
     if config.uses_critic:
         path = config.critic.model.path or config.actor.model.path  # as the run starts it
         critic = ModelShape.read(path, flag="--critic.model.path")
@@ -180,7 +181,7 @@ def rl_layout(config: RLConfig) -> tuple[list[Gpu], list[str]]:
         rm = config.actor.eval_only(offload=t.ref_reward_offload)
         memory = learner_memory(rm, rm_shape, tokens=tokens, trains=False, outputs=1)
         beside = "critic" if t.colocate_critic_reward and config.uses_critic else ""
-        side.append(("reward model", memory, beside))
+        side.append(("reward model", rm.num_ranks, memory, beside))
     engine = engine_load(config, actor)
     per_engine = engine.tp * engine.pp
     gpus: list[Gpu] = []
@@ -190,11 +191,11 @@ def rl_layout(config: RLConfig) -> tuple[list[Gpu], list[str]]:
         start = 0 if t.colocate_all else cursor
         first[label] = start
         cursor = max(cursor, _place(gpus, start, count, label, memory))
-    for label, memory, beside in side:
+    for label, count, memory, beside in side:  # one replica: tp x cp ranks
         at = 0 if t.colocate_all else first.get(beside, -1)
         if at < 0:
-            at, cursor = cursor, cursor + 1
-        _place(gpus, at, 1, label, memory)
+            at, cursor = cursor, cursor + count
+        _place(gpus, at, count, label, memory)
     start = 0 if t.colocate_all else cursor
     engine_memory = Memory(parts={"weights": engine.weights, "workspace": engine.workspace})
     for e in range(config.vllm.num_engines):

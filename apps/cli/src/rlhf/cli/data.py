@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import pathlib
 import random
 from collections.abc import Mapping, Sequence
@@ -10,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf.cli.config import DataConfig
+
+# What `pip install` adds for .parquet files and saved HF datasets.
+_EXTRA = "rlhf-cli[data]"
 
 
 class DataSourceError(ValueError):
@@ -26,39 +31,81 @@ class Prompt:
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
-    """Rows of a .json (a list), .jsonl, .parquet file or a ``datasets.save_to_disk`` dir."""
+    """Rows of a .json (a list), .jsonl, .parquet file or a ``datasets.save_to_disk`` dir
+    (a ``DatasetDict``'s ``train`` split, else its first split)."""
     p = pathlib.Path(path)
     if not p.exists():
         raise DataSourceError(f"data source {path!r} does not exist")
+    reader = _saved_dataset_rows if p.is_dir() else _READERS.get(p.suffix)
+    if reader is None:
+        raise DataSourceError(
+            f"{path}: use .json, .jsonl, .parquet or a saved HF dataset directory"
+        )
+    return reader(p)
+
+
+def _import(module: str, *, path: pathlib.Path) -> Any:
+    """``module`` (a package of the ``data`` extra), or a `DataSourceError` that says what to
+    install to read ``path``."""
+    package = module.partition(".")[0]
     try:
-        if p.is_dir():
-            import datasets  # pyright: ignore[reportMissingImports]
-
-            loaded = datasets.load_from_disk(str(p))
-            if isinstance(loaded, datasets.DatasetDict):
-                loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
-            return [dict(r) for r in loaded]
-        if p.suffix == ".jsonl":
-            rows = []
-            for n, line in enumerate(p.read_text().splitlines(), start=1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise DataSourceError(f"{path}:{n} is not valid JSON: {exc}") from None
-            return rows
-        if p.suffix == ".json":
-            data = json.loads(p.read_text())
-            if not isinstance(data, list):
-                raise DataSourceError(f"{path} must hold a JSON list of rows")
-            return data
-        if p.suffix == ".parquet":
-            import pyarrow.parquet as pq  # pyright: ignore[reportMissingImports]
-
-            return pq.read_table(p).to_pylist()
+        return importlib.import_module(module)
     except ImportError as exc:
-        raise DataSourceError(f"reading {path} needs {exc.name}: pip install {exc.name}") from None
-    raise DataSourceError(f"{path}: use .json, .jsonl, .parquet or a saved HF dataset directory")
+        if (exc.name or "").partition(".")[0] == package:
+            hint = f"pip install {package} (or pip install '{_EXTRA}' for every format)"
+        else:
+            hint = f"it is installed but fails to import ({exc}): pip install -U '{_EXTRA}'"
+        raise DataSourceError(f"reading {path} needs {package}: {hint}") from None
+
+
+def _jsonl_rows(path: pathlib.Path) -> list[dict[str, Any]]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DataSourceError(f"{path}:{n} is not valid JSON: {exc}") from None
+    return rows
+
+
+def _json_rows(path: pathlib.Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataSourceError(
+            f"{path}:{exc.lineno}:{exc.colno} is not valid JSON: {exc.msg}"
+        ) from None
+    if not isinstance(data, list):
+        raise DataSourceError(f"{path} must hold a JSON list of rows, not {type(data).__name__}")
+    return data
+
+
+def _parquet_rows(path: pathlib.Path) -> list[dict[str, Any]]:
+    pyarrow = _import("pyarrow", path=path)
+    pq = _import("pyarrow.parquet", path=path)
+    try:
+        return pq.read_table(path).to_pylist()
+    except (OSError, pyarrow.ArrowException) as exc:
+        raise DataSourceError(f"{path} is not a readable parquet file: {exc}") from None
+
+
+def _saved_dataset_rows(path: pathlib.Path) -> list[dict[str, Any]]:
+    datasets = _import("datasets", path=path)
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as exc:
+        raise DataSourceError(
+            f"{path} is a directory but not a dataset saved by datasets' save_to_disk: {exc}"
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if not loaded:
+            raise DataSourceError(f"{path} is a saved DatasetDict without splits")
+        loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    return [dict(r) for r in loaded]
+
+
+_READERS = {".json": _json_rows, ".jsonl": _jsonl_rows, ".parquet": _parquet_rows}
 
 
 def render(
@@ -130,6 +177,11 @@ def load_prompts(spec: str, config: DataConfig, tokenizer: Any) -> dict[str, lis
         name, _, path = item.rpartition("=")
         path = path.strip()
         name = name.strip() or pathlib.Path(path).stem
+        if name in out:
+            raise DataSourceError(
+                f"data sources {out[name][0].source!r} and {path!r} are both named {name!r}: "
+                "give them names with name=path"
+            )
         rows = read_rows(path)[: config.max_samples]
         if not rows:
             raise DataSourceError(f"data source {path!r} has no rows")
@@ -143,7 +195,7 @@ class PromptSampler:
 
     Args:
         sources: Prompts per source.
-        probs: Blend weights (default equal).
+        probs: Blend weights, one per source, non-negative and not all zero (default equal).
         seed: Shuffling seed.
     """
 
@@ -152,11 +204,7 @@ class PromptSampler:
     ) -> None:
         self.names = list(sources)
         self.sources = [list(sources[n]) for n in self.names]
-        if probs and len(probs) != len(self.sources):
-            raise DataSourceError(
-                f"--data.prompt_data_probs has {len(probs)} weights for {len(self.sources)} sources"
-            )
-        self.probs = list(probs) or [1.0] * len(self.sources)
+        self.probs = _blend_weights(probs, n_sources=len(self.sources))
         self.seed = seed
         self.drawn = 0
         self.positions = [0] * len(self.sources)
@@ -189,6 +237,23 @@ class PromptSampler:
             )
         self.drawn = int(state["drawn"])
         self.positions = [int(p) for p in state["positions"]]
+
+
+def _blend_weights(probs: Sequence[float], *, n_sources: int) -> list[float]:
+    """``probs`` checked (one finite, non-negative weight per source, not all zero), or equal
+    weights when empty; ``random.choices`` would fail on all-zero weights only at the first
+    draw and silently mis-blend negative ones."""
+    flag = "--data.prompt_data_probs"
+    if not probs:
+        return [1.0] * n_sources
+    if len(probs) != n_sources:
+        raise DataSourceError(f"{flag} has {len(probs)} weights for {n_sources} sources")
+    bad = [p for p in probs if not (math.isfinite(p) and p >= 0)]
+    if bad:
+        raise DataSourceError(f"{flag} {list(probs)}: weights must be finite and >= 0, not {bad}")
+    if sum(probs) <= 0:
+        raise DataSourceError(f"{flag} {list(probs)}: at least one weight must be positive")
+    return [float(p) for p in probs]
 
 
 def prompt_sources(

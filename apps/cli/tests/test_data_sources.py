@@ -1,0 +1,338 @@
+"""Prompt sources: the same rows read back from every format (.json, .jsonl, .parquet, a saved
+HF ``Dataset`` or ``DatasetDict``), blending by ``--data.prompt_data_probs``, chat templates of a
+locally built tokenizer, and malformed sources named in a `DataSourceError`. Unit level: no Ray,
+no engine, no subprocess."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from rlhf.cli.config import DataConfig
+from rlhf.cli.data import (
+    DataSourceError,
+    Prompt,
+    PromptSampler,
+    load_prompts,
+    prompt_sources,
+    read_rows,
+)
+
+# An extra column the prompt does not use, a non-ASCII prompt and an empty label survive every
+# format unchanged.
+ROWS = [
+    {"input": "12+30=", "label": "42", "id": 0},
+    {"input": "Wie viel ist 7·6?", "label": "42", "id": 1},
+    {"input": "say nothing", "label": "", "id": 2},
+]
+
+
+def _write_json(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    out = path / "rows.json"
+    out.write_text(json.dumps(rows, ensure_ascii=False, indent=1))
+    return out
+
+
+def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    out = path / "rows.jsonl"
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return out
+
+
+def _write_parquet(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out
+
+
+def _write_dataset(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    import datasets
+
+    out = path / "dataset"
+    datasets.Dataset.from_list(rows).save_to_disk(str(out))
+    return out
+
+
+def _write_dataset_dict(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    """A ``DatasetDict`` whose ``train`` split holds ``rows``; the other split comes first, so
+    reading it would fail the comparison."""
+    import datasets
+
+    out = path / "dataset_dict"
+    other = datasets.Dataset.from_list([{**rows[0], "input": "not the train split"}])
+    splits = {"test": other, "train": datasets.Dataset.from_list(rows)}
+    datasets.DatasetDict(splits).save_to_disk(str(out))
+    return out
+
+
+def _write_dataset_dict_without_train(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    import datasets
+
+    out = path / "dataset_dict_validation"
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows)}).save_to_disk(str(out))
+    return out
+
+
+WRITERS: dict[str, Callable[[pathlib.Path, list[dict]], pathlib.Path]] = {
+    "json": _write_json,
+    "jsonl": _write_jsonl,
+    "parquet": _write_parquet,
+    "dataset": _write_dataset,
+    "dataset_dict_train": _write_dataset_dict,
+    "dataset_dict_without_train": _write_dataset_dict_without_train,
+}
+
+
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_every_format_reads_back_the_same_rows(tmp_path, fmt) -> None:
+    path = WRITERS[fmt](tmp_path, ROWS)
+    assert read_rows(str(path)) == ROWS
+    (prompts,) = load_prompts(f"src={path}", DataConfig(), None).values()
+    assert prompts == [Prompt(r["input"], r["label"], str(path)) for r in ROWS]
+
+
+def test_max_samples_and_input_template_apply_to_every_source(tmp_path) -> None:
+    json_path = _write_json(tmp_path, ROWS)
+    parquet_path = _write_parquet(tmp_path, ROWS)
+    config = DataConfig(input_template="Q: {}\nA:", max_samples=2)
+    loaded = load_prompts(f"{json_path}, p={parquet_path}", config, None)
+    # A bare path is named by its stem; ``name=path`` by its name.
+    assert list(loaded) == ["rows", "p"]
+    for prompts in loaded.values():
+        assert [p.text for p in prompts] == ["Q: 12+30=\nA:", "Q: Wie viel ist 7·6?\nA:"]
+
+
+def _prompts(name: str, n: int) -> list[Prompt]:
+    return [Prompt(f"{name}{i}", i, name) for i in range(n)]
+
+
+def _binomial_bound(n: int, p: float, *, sigmas: float = 5.0) -> float:
+    return sigmas * math.sqrt(n * p * (1 - p))
+
+
+@pytest.mark.parametrize(
+    ("probs", "p_first"), [((0.75, 0.25), 0.75), ((), 0.5), ((1.0, 3.0), 0.25)]
+)
+def test_blend_follows_the_weights(probs, p_first) -> None:
+    """Each draw picks a source with ``random.choices(weights=probs)`` from its own seeded
+    generator, so the first source's count is Binomial(n, p): within 5 sigma of n * p. Inside a
+    source the prompts come in shuffled epochs: after k draws every prompt came floor(k / size)
+    or ceil(k / size) times."""
+    n = 4000
+    sampler = PromptSampler({"a": _prompts("a", 7), "b": _prompts("b", 5)}, probs=probs, seed=3)
+    drawn = sampler.next(n)
+    count = collections.Counter(p.source for p in drawn)
+    assert count["a"] + count["b"] == n
+    assert abs(count["a"] - n * p_first) <= _binomial_bound(n, p_first), count
+    for name, size in (("a", 7), ("b", 5)):
+        per_prompt = collections.Counter(p.text for p in drawn if p.source == name)
+        assert len(per_prompt) == size
+        assert set(per_prompt.values()) <= {count[name] // size, -(-count[name] // size)}
+
+
+def test_a_zero_weight_source_is_never_drawn() -> None:
+    sampler = PromptSampler(
+        {"a": _prompts("a", 3), "b": _prompts("b", 3)}, probs=(0.0, 2.0), seed=0
+    )
+    assert {p.source for p in sampler.next(500)} == {"b"}
+
+
+def test_blend_through_prompt_sources(tmp_path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    easy, hard = _write_jsonl(tmp_path / "a", ROWS), _write_parquet(tmp_path / "b", ROWS[:1])
+    data = DataConfig(
+        prompt_data=f"easy={easy}, hard={hard}",
+        prompt_data_probs=(0.25, 0.75),
+        eval_data=f"held={_write_json(tmp_path, ROWS)}",
+    )
+    sampler, evals = prompt_sources(data, None, seed=1)
+    assert sampler.names == ["easy", "hard"]
+    n = 2000
+    count = collections.Counter(p.source for p in sampler.next(n))
+    assert abs(count[str(hard)] - n * 0.75) <= _binomial_bound(n, 0.75), count
+    assert [p.text for p in evals["held"]] == [r["input"] for r in ROWS]
+
+
+def test_two_sources_of_one_name_are_refused(tmp_path) -> None:
+    """Both files are named by their stem ``rows``: the second would replace the first."""
+    (tmp_path / "a").mkdir()
+    first, second = _write_jsonl(tmp_path / "a", ROWS), _write_json(tmp_path, ROWS)
+    with pytest.raises(DataSourceError, match=r"are both named 'rows': .* name=path"):
+        load_prompts(f"{first},{second}", DataConfig(), None)
+
+
+@pytest.mark.parametrize(
+    ("probs", "message"),
+    [
+        ((1.0,), r"--data\.prompt_data_probs has 1 weights for 2 sources"),
+        ((1.0, 0.5, 0.5), r"--data\.prompt_data_probs has 3 weights for 2 sources"),
+        ((-0.25, 1.25), r"--data\.prompt_data_probs \[-0\.25, 1\.25\]: .* >= 0, not \[-0\.25\]"),
+        ((math.nan, 1.0), r"--data\.prompt_data_probs .*must be finite"),
+        ((0.0, 0.0), r"--data\.prompt_data_probs \[0\.0, 0\.0\]: at least one weight"),
+    ],
+)
+def test_bad_blend_weights_are_refused(probs, message) -> None:
+    with pytest.raises(DataSourceError, match=message):
+        PromptSampler({"a": _prompts("a", 2), "b": _prompts("b", 2)}, probs=probs, seed=0)
+
+
+# A role-tagged template: every message as <|role|>content and a newline; the generation
+# prompt opens an assistant turn.
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _tokenizer(chat_template: str | None):
+    """A character-level tokenizer built here (no hub access), with ``chat_template``."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    tok.chat_template = chat_template
+    return tok
+
+
+def test_chat_template_renders_a_user_message_with_the_generation_prompt(tmp_path) -> None:
+    path = _write_jsonl(tmp_path, ROWS)
+    config = DataConfig(apply_chat_template=True, input_template="ignored {}")
+    (prompts,) = load_prompts(str(path), config, _tokenizer(TEMPLATE)).values()
+    assert [p.text for p in prompts] == [
+        "<|user|>12+30=\n<|assistant|>",
+        "<|user|>Wie viel ist 7·6?\n<|assistant|>",
+        "<|user|>say nothing\n<|assistant|>",
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "dataset"])
+def test_a_messages_row_renders_every_turn(tmp_path, fmt) -> None:
+    messages = [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "6*7?"},
+        {"role": "assistant", "content": "42"},
+        {"role": "user", "content": "and 6*8?"},
+    ]
+    path = WRITERS[fmt](tmp_path, [{"input": messages, "label": "48"}])
+    config = DataConfig(apply_chat_template=True)
+    (prompts,) = load_prompts(str(path), config, _tokenizer(TEMPLATE)).values()
+    expected = (
+        "<|system|>Answer with a number.\n<|user|>6*7?\n<|assistant|>42\n"
+        "<|user|>and 6*8?\n<|assistant|>"
+    )
+    assert prompts == [Prompt(expected, "48", str(path))]
+
+
+def test_a_tokenizer_without_a_chat_template_is_named(tmp_path) -> None:
+    path = _write_jsonl(tmp_path, ROWS)
+    with pytest.raises(
+        DataSourceError, match=r"--data\.apply_chat_template needs a tokenizer with a chat template"
+    ):
+        load_prompts(str(path), DataConfig(apply_chat_template=True), _tokenizer(None))
+
+
+def _write(name: str, text: str) -> Callable[[pathlib.Path], pathlib.Path]:
+    def write(root: pathlib.Path) -> pathlib.Path:
+        path = root / name
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def _dataset_dict_without_splits(root: pathlib.Path) -> pathlib.Path:
+    import datasets
+
+    datasets.DatasetDict({}).save_to_disk(str(root / "no_splits"))
+    return root / "no_splits"
+
+
+def _not_a_dataset_dir(root: pathlib.Path) -> pathlib.Path:
+    (root / "plain").mkdir()
+    (root / "plain" / "rows.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    return root / "plain"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            _write("obj.json", '{"input": "1", "label": "1"}'),
+            r"obj\.json must hold a JSON list of rows, not dict",
+        ),
+        (
+            _write("broken.json", '[{"input": "1",\n  "label": }]'),
+            r"broken\.json:2:12 is not valid JSON",
+        ),
+        (
+            _write("bad.jsonl", '{"input": "1", "label": "1"}\n\n{"input": "2", label}\n'),
+            r"bad\.jsonl:3 is not valid JSON",
+        ),
+        (
+            _write("rows.csv", "input,label\n1,1\n"),
+            r"rows\.csv: use \.json, \.jsonl, \.parquet or a saved HF dataset",
+        ),
+        (_write("fake.parquet", "not parquet"), r"fake\.parquet is not a readable parquet file"),
+        (_write("empty.jsonl", "\n"), r"data source '.*empty\.jsonl' has no rows"),
+        (lambda root: root / "missing.jsonl", r"data source '.*missing\.jsonl' does not exist"),
+        (_dataset_dict_without_splits, r"no_splits is a saved DatasetDict without splits"),
+        (
+            _not_a_dataset_dir,
+            r"plain is a directory but not a dataset saved by datasets' save_to_disk",
+        ),
+    ],
+)
+def test_malformed_sources_are_named(tmp_path, make, message) -> None:
+    path = make(tmp_path)
+    with pytest.raises(DataSourceError, match=message):
+        load_prompts(f"src={path}", DataConfig(), None)
+
+
+def _unimport(monkeypatch, package: str) -> None:
+    """Forget ``package`` and its modules (restored after the test), so the next import looks
+    for it again."""
+    for name in [m for m in sys.modules if m == package or m.startswith(f"{package}.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.parametrize(
+    ("write", "package"), [(_write_parquet, "pyarrow"), (_write_dataset, "datasets")]
+)
+def test_a_missing_package_names_it_and_the_extra(tmp_path, monkeypatch, write, package) -> None:
+    path = write(tmp_path, ROWS)
+    _unimport(monkeypatch, package)
+    # None in sys.modules makes an import fail as if the package were not installed.
+    monkeypatch.setitem(sys.modules, package, None)
+    message = (
+        rf"reading .* needs {package}: pip install {package} \(or pip install 'rlhf-cli\[data\]'"
+    )
+    with pytest.raises(DataSourceError, match=message):
+        read_rows(str(path))
+
+
+def test_a_package_that_fails_to_import_is_told_apart(tmp_path, monkeypatch) -> None:
+    """pyarrow 15 under numpy 2 raises this ImportError: installed, but broken."""
+    path = _write_parquet(tmp_path, ROWS)
+    fake = tmp_path / "site" / "pyarrow"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("numpy.core.multiarray failed to import")')
+    _unimport(monkeypatch, "pyarrow")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    message = (
+        r"needs pyarrow: it is installed but fails to import \(numpy\.core\.multiarray failed to"
+        r" import\): pip install -U 'rlhf-cli\[data\]'"
+    )
+    with pytest.raises(DataSourceError, match=message):
+        read_rows(str(path))

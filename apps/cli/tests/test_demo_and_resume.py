@@ -117,6 +117,12 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
     ]
     # The optimizer schedule continued (cosine over 4 steps from the checkpoint's position).
     assert [b[s]["actor/lr"] for s in range(1, 5)] == [a[s]["actor/lr"] for s in range(1, 5)]
+    # Seeded requests: both runs sampled the same tokens at every step, the resumed steps
+    # included, so they trained on the same batches and saw the same rewards.
+    digests = [a[s]["rollout/samples_crc32"] for s in range(1, 5)]
+    assert [b[s]["rollout/samples_crc32"] for s in range(1, 5)] == digests
+    assert len(set(digests)) == 4
+    assert [b[s]["reward/mean"] for s in range(1, 5)] == [a[s]["reward/mean"] for s in range(1, 5)]
     if mode == "sync":
         assert all(r.get("rollout/staleness_max", 0.0) == 0.0 for r in (*a.values(), *b.values()))
         return

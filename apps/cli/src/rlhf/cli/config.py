@@ -83,6 +83,12 @@ class RolloutConfig:
         top_k: Top-k; -1 disables.
         max_new_tokens: Generation budget per sample.
         max_len: Prompt + response budget; prompts are left-truncated to fit.
+        seed_requests: Seed every sampling request from ``--train.seed``, the step and the
+            request's place in the batch (prompt, sample, turn; `rlhf.agents.request_seed`),
+            so a resumed run samples exactly what the uninterrupted run sampled and two runs
+            with one seed sample alike (on GPUs, as far as vLLM's numerics do not depend on
+            the batch). Evaluation draws the same seeds at every evaluation. False: the
+            engines' own random streams.
     """
 
     batch_size: int = 16
@@ -92,6 +98,7 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 256
     max_len: int = 1024
+    seed_requests: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -139,6 +139,9 @@ def engine_load(config: RLConfig, shape: ModelShape) -> EngineLoad:
         max_num_seqs=v.max_num_seqs,
         hidden=shape.hidden,
         intermediate=shape.intermediate,
+        **(
+            {"max_num_batched_tokens": v.max_num_batched_tokens} if v.max_num_batched_tokens else {}
+        ),
     )
 
 

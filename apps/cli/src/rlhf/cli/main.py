@@ -45,6 +45,17 @@ def _parse(cls: type[T], args: Sequence[str], default: T, prog: str) -> T:
     )
 
 
+def given_names(args: Sequence[str]) -> set[str]:
+    """The dotted names a command line sets: its ``--flags`` and its ``--config`` file's keys
+    (what a preset's value derived from another flag must not override)."""
+    names = {a[2:].split("=", 1)[0] for a in args if a.startswith("--") and a != "--config"}
+    if "--config" in args and args.index("--config") + 1 < len(args):
+        from rlhf.cli.config_file import keys
+
+        names |= keys(args[args.index("--config") + 1])
+    return names
+
+
 def env() -> dict[str, Any]:
     """Versions of the stack and the devices this machine has."""
     import importlib.metadata
@@ -168,11 +179,13 @@ def _train(rest: list[str]) -> int:
         run_preference(parsed, kind=algo)
         return 0
     from rlhf.cli.config import RLConfig
+    from rlhf.cli.presets import follow_generation_budget
     from rlhf.cli.rl import run_rl
     from rlhf.cli.startup import Stopwatch
 
     watch = Stopwatch()  # from the interpreter's start: imports and parsing count
     config = _parse(RLConfig, flags, resolve(algo), f"rlhf train {algo}")
+    config = follow_generation_budget(config, given=given_names(flags))
     if config.dry_run:
         return dry_run.show(*dry_run.capacity_plan(config.validate()))
     run_rl(config.validate(), stopwatch=watch)

@@ -6,7 +6,7 @@ models and budgets come from flags. ``rlhf config show <name>`` prints one resol
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from rlhf.algos import AdvantageConfig, AlgoConfig, KLConfig, PolicyLossConfig
 from rlhf.cli.config import ConfigError, RLConfig, replace
@@ -41,7 +41,8 @@ def grpo() -> AlgoConfig:
 @preset("dr_grpo")
 def dr_grpo() -> AlgoConfig:
     """Dr. GRPO (arXiv 2503.20783): mean-subtracted rewards without the std, a constant
-    length normaliser (set --algo.loss_agg_max_len to the generation budget), no KL."""
+    length normaliser L_max (the generation budget, ``--rollout.max_new_tokens``, unless
+    ``--algo.loss_agg_max_len`` says otherwise: `follow_generation_budget`), no KL."""
     return AlgoConfig(
         advantage=AdvantageConfig(estimator="dr_grpo"),
         kl=KLConfig(init_coef=0.0),
@@ -84,6 +85,16 @@ def dapo() -> AlgoConfig:
         overlong_buffer_len=64,
         overlong_penalty_factor=1.0,
     )
+
+
+def follow_generation_budget(config: RLConfig, *, given: Collection[str]) -> RLConfig:
+    """Under ``seq-mean-token-sum-norm`` the loss divides by a constant L_max, the generation
+    budget (Dr. GRPO): ``algo.loss_agg_max_len`` becomes ``--rollout.max_new_tokens`` unless
+    the command line or its ``--config`` file set it (``given``: their dotted names)."""
+    algo = config.algo
+    if algo.loss_agg_mode != "seq-mean-token-sum-norm" or "algo.loss_agg_max_len" in given:
+        return config
+    return replace(config, **{"algo.loss_agg_max_len": config.rollout.max_new_tokens})
 
 
 def resolve(name: str) -> RLConfig:

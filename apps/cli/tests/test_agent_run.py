@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from .conftest import rlhf
 from .test_commands import _train_args
 
@@ -54,13 +56,22 @@ def _rows(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_a_multi_turn_environment_trains(assets, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("preset", "credit"),
+    [
+        ("grpo", []),
+        # Each turn's reward on its own last token, discounted returns (γ 0.9) credit turn 1.
+        ("reinforce", ["--train.turn_credit", "per_turn", "--algo.advantage.gamma", "0.9"]),
+    ],
+    ids=["episode", "per_turn"],
+)
+def test_a_multi_turn_environment_trains(assets, tmp_path, preset, credit) -> None:
     env = tmp_path / "retry_env.py"
     env.write_text(RETRY_ENV)
     args = _train_args(assets, tmp_path / "run")
     args[args.index("--rollout.max_len") + 1] = "24"  # prompt 5 + 2 turns of 6 + feedback
     out = rlhf(
-        "train", "grpo", *args,
+        "train", preset, *args, *credit,
         "--train.agent_func_path", str(env), "--train.agent_max_turns", "3",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]

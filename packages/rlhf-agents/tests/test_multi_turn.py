@@ -390,3 +390,49 @@ def test_async_create_is_what_builds_the_instance(tmp_path, tokenizer, generator
     )
     (t,) = run(executor(tokenizer, generator, envs), [chat(tokenizer, "go")], [None]).trajectories
     assert t.metrics["created"] == 1.0
+
+
+def test_turn_ends_mark_each_turns_last_action_token(tmp_path, tokenizer) -> None:
+    envs = env_file(
+        tmp_path,
+        """
+        class Environment:
+            def reset(self, prompt, label):
+                self.n = 0
+            def step(self, action_text):
+                self.n += 1
+                return {"feedback": "more", "reward": float(self.n), "done": self.n == 3}
+        """,
+    )
+    replies = [tokenizer.encode(t, add_special_tokens=False) for t in ("a b", "c", "d e f")]
+    ex = MultiTurnExecutor(
+        tokenizer=tokenizer,
+        generator=ScriptedGenerator([list(r) for r in replies]),
+        environments=envs,
+        sampling=SamplingParams(max_new_tokens=8),
+        max_len=256,
+        max_turns=5,
+    )
+    (t,) = run(ex, [chat(tokenizer, "go")], [None]).trajectories
+    # The last index of each run of action tokens, read off the mask.
+    mask = t.action_mask
+    runs = [i for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
+    assert t.turn_ends == tuple(runs) and len(runs) == 3
+    assert [t.token_ids[i] for i in t.turn_ends] == [r[-1] for r in replies]
+    assert t.turn_rewards == (1.0, 2.0, 3.0)
+
+
+def test_turn_ends_must_name_one_action_token_per_turn() -> None:
+    from rlhf.agents import Trajectory
+
+    def make(turn_ends):
+        return Trajectory(
+            token_ids=(1, 2, 3, 4), action_mask=(0, 1, 0, 1), rollout_logprobs=(0.0,) * 4,
+            prompt_length=1, reward=1.0, turn_rewards=(0.5, 0.5), score=1.0, truncated=False,
+            finish_reason="stop", turn_ends=turn_ends,
+        )  # fmt: skip
+
+    assert make((1, 3)).turn_ends == (1, 3)
+    for bad in ((1,), (2, 3), (1, 4)):
+        with pytest.raises(ValueError, match="turn_ends"):
+            make(bad)

@@ -189,3 +189,47 @@ def test_in_process_role_refuses_several_ranks() -> None:
         InProcessRole(TwoRanks())  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="build"):
         InProcessRole().train_step(samples(0).batch(), lambda m, b: None)  # type: ignore[arg-type]
+
+
+def test_token_rewards_reach_the_advantages(tiny) -> None:
+    """`Samples.token_rewards` (per-turn credit) join the per-token rewards: REINFORCE's
+    advantages equal `compute_advantages` given them, and ``reward/mean`` is the episode
+    total (the scalar plus the tokens' rewards)."""
+    import dataclasses
+
+    from rlhf.algos import compute_advantages
+
+    base = samples(seed=1)
+    extra = torch.zeros_like(base.action_mask)
+    first_action = base.action_mask.argmax(dim=1)
+    rows = torch.arange(base.size)
+    extra[rows, first_action] = 0.5  # every sample: half a reward on its first action token
+    with_turns = dataclasses.replace(base, token_rewards=extra)
+    algo = AlgoConfig(
+        advantage=AdvantageConfig(estimator="reinforce", gamma=0.9, whiten=False),
+        kl=KLConfig(init_coef=0.0),
+    )
+    actor = in_process(learner(tiny, train=False))
+    try:
+        exp = make_experience(
+            with_turns,
+            actor=actor,
+            algo=algo,
+            n_samples_per_prompt=N,
+            max_new_tokens=6,
+            kl_coef=0.0,
+        )
+    finally:
+        actor.close()
+    expected = compute_advantages(
+        config=algo.advantage,
+        rewards=base.rewards,
+        action_mask=base.action_mask,
+        token_rewards=extra,
+    ).advantages
+    torch.testing.assert_close(exp.advantages, expected)
+    without = compute_advantages(
+        config=algo.advantage, rewards=base.rewards, action_mask=base.action_mask
+    ).advantages
+    assert not torch.allclose(exp.advantages, without)
+    assert exp.metrics["reward/mean"] == pytest.approx(float(base.rewards.mean()) + 0.5)

@@ -39,6 +39,9 @@ def raise_problems(problems: list[str], *, where: str) -> None:
 VERIFY_SYNC = {"off": "off", "cheap": "cheap", "full": "full", "True": "full", "False": "off"}
 """``--vllm.verify_sync`` values and the mode each means (booleans from before the modes)."""
 
+TURN_CREDIT = ("episode", "per_turn")
+"""``--train.turn_credit`` values."""
+
 WEIGHT_TRANSPORTS = ("auto", "object_store", "shared_memory", "cuda_ipc", "broadcast")
 """``--train.weight_transport`` values (`rlhf.cli.sync`)."""
 
@@ -246,6 +249,11 @@ class TrainConfig:
         agent_step_timeout_s: Deadline of one environment ``reset()`` or ``step()`` call; past
             it the run stops naming the file, prompt, sample and turn (synchronous methods run
             on a thread of their own, so one that never returns cannot stall the run).
+        turn_credit: How an environment's per-turn rewards reach the tokens: ``episode`` (their
+            sum on the episode's last action token) or ``per_turn`` (each turn's reward on that
+            turn's last action token, so discounted returns and GAE credit each turn with the
+            rewards that follow it, by γ and λ). ``per_turn`` needs an estimator without a
+            group baseline (``gae`` or ``reinforce``): a baseline compares one number per sample.
         async_enable: Sample later batches while the current one trains (`rlhf.cli.schedule`):
             batch ``j`` is sampled with the weights of step ``j - async_queue_size``.
         async_queue_size: Most batches sampled ahead of training (the staleness bound).
@@ -297,6 +305,7 @@ class TrainConfig:
     agent_func_path: str = ""
     agent_max_turns: int = 4
     agent_step_timeout_s: float = 60.0
+    turn_credit: str = "episode"
     async_enable: bool = False
     async_queue_size: int = 1
     partial_rollout_enable: bool = False
@@ -678,6 +687,18 @@ class RLConfig:
                 "--train.reward_model_path / --reward.remote_url",
             ),
             (self.train.agent_max_turns < 1, "--train.agent_max_turns must be >= 1"),
+            (
+                self.train.turn_credit not in TURN_CREDIT,
+                f"--train.turn_credit must be one of {', '.join(TURN_CREDIT)}, got "
+                f"{self.train.turn_credit!r}",
+            ),
+            (
+                self.train.turn_credit == "per_turn" and self.algo.advantage.spec.needs_groups,
+                f"--train.turn_credit per_turn places rewards on tokens, but "
+                f"--algo.advantage.estimator {self.algo.advantage.estimator} subtracts a group "
+                "baseline from one reward per sample: use gae or reinforce, or --train.turn_credit "
+                "episode",
+            ),
             (
                 not self.train.agent_step_timeout_s > 0,
                 "--train.agent_step_timeout_s must be > 0",

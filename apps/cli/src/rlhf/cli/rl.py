@@ -235,7 +235,7 @@ class RLDriver:
         c, roles, kl_coef = self.config, self.roles, self.kl_ctl.value
         tick = time.perf_counter()
         experience = make_experience(
-            to_samples(rollout.trajectories),
+            to_samples(rollout.trajectories, per_turn=c.train.turn_credit == "per_turn"),
             actor=roles.actor,
             reference=roles.ref,
             critic=roles.critic,

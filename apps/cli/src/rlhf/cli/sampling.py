@@ -263,14 +263,31 @@ def samples_digest(trajectories: Sequence[Any]) -> int:
     return digest
 
 
-def to_samples(trajectories: Sequence[Any]) -> Samples:
-    """`rlhf.agents.Trajectory` objects as the learner's `Samples`."""
+def to_samples(trajectories: Sequence[Any], *, per_turn: bool = False) -> Samples:
+    """`rlhf.agents.Trajectory` objects as the learner's `Samples`.
+
+    ``per_turn`` (``--train.turn_credit per_turn``): a trajectory that knows its turns keeps
+    its last turn's reward as the sample's reward (placed on its last action token) and puts
+    each earlier turn's reward on that turn's last action token (``Samples.token_rewards``);
+    one without turns keeps its whole reward."""
+    rewards = [float(tr.reward) for tr in trajectories]
+    token_rewards = None
+    if per_turn:
+        token_rewards = []
+        for k, tr in enumerate(trajectories):
+            row = [0.0] * len(tr.token_ids)
+            if tr.turn_ends:
+                for end, r in zip(tr.turn_ends[:-1], tr.turn_rewards[:-1], strict=True):
+                    row[end] += float(r)
+                rewards[k] = float(tr.reward) - sum(float(r) for r in tr.turn_rewards[:-1])
+            token_rewards.append(row)
     return Samples.collate(
         token_ids=[tr.token_ids for tr in trajectories],
         action_mask=[tr.action_mask for tr in trajectories],
         rollout_logprobs=[tr.rollout_logprobs for tr in trajectories],
-        rewards=[float(tr.reward) for tr in trajectories],
+        rewards=rewards,
         truncated=[bool(tr.truncated) for tr in trajectories],
+        token_rewards=token_rewards,
     )
 
 

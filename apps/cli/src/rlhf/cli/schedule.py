@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-_TUPLE_FIELDS = ("token_ids", "action_mask", "rollout_logprobs", "turn_rewards")
+_TUPLE_FIELDS = ("token_ids", "action_mask", "rollout_logprobs", "turn_rewards", "turn_ends")
 
 
 @dataclasses.dataclass

@@ -85,6 +85,7 @@ class MultiTurnExecutor:
         await self._call(env.reset, prompt, label, what=f"{where}: reset()")
         tokens, mask, logprobs = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids)
         turn_rewards: list[float] = []
+        turn_ends: list[int] = []
         metrics: dict[str, float] = {}
         sampling = self.sampling
         env_seed = False  # the environment chose the seed of its turns (a sampling override)
@@ -108,6 +109,7 @@ class MultiTurnExecutor:
             raw = await self._call(env.step, action_text, what=f"{where}: step() on turn {turn}")
             result = coerce_step_result(raw, source=f"{where}, turn {turn}")
             turn_rewards.append(float(result.reward))
+            turn_ends.append(len(tokens) - 1)  # a generation holds at least one token
             for key, value in result.metrics.items():
                 metrics[key] = float(value)
             if result.score is not None:
@@ -140,6 +142,7 @@ class MultiTurnExecutor:
             prompt_length=len(prompt_ids),
             reward=total,
             turn_rewards=tuple(turn_rewards),
+            turn_ends=tuple(turn_ends),
             score=total if score is None else score,
             truncated=truncated,
             finish_reason=finish,

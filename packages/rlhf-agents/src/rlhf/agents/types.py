@@ -115,6 +115,9 @@ class Trajectory:
         prompt_index: Index of the prompt in its batch.
         sample_index: Index of the sample among the prompt's n samples.
         weight_version: Weight version of the last generation, if known.
+        turn_ends: Index in ``token_ids`` of each turn's last action token, one per entry of
+            ``turn_rewards`` (where per-turn credit places that turn's reward); empty when
+            the executor does not know its turns.
     """
 
     token_ids: tuple[int, ...]
@@ -130,6 +133,7 @@ class Trajectory:
     prompt_index: int = 0
     sample_index: int = 0
     weight_version: int | None = None
+    turn_ends: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -140,6 +144,14 @@ class Trajectory:
             )
         if not 0 <= self.prompt_length <= n or any(self.action_mask[: self.prompt_length]):
             raise ValueError(f"prompt_length={self.prompt_length} is inconsistent with the mask")
+        if self.turn_ends and (
+            len(self.turn_ends) != len(self.turn_rewards)
+            or any(not 0 <= i < n or not self.action_mask[i] for i in self.turn_ends)
+        ):
+            raise ValueError(
+                f"turn_ends={self.turn_ends} must name one action token per turn reward "
+                f"({len(self.turn_rewards)})"
+            )
         if not (math.isfinite(self.reward) and math.isfinite(self.score)):
             raise ValueError(
                 f"Trajectory reward/score must be finite, got {self.reward}/{self.score}"

@@ -35,8 +35,11 @@ class Samples:
         action_mask: (B, L) float, 1 where the policy produced the token.
         rollout_logprobs: (B, L) float, the sampler's log-prob of each action token (0
             elsewhere).
-        rewards: (B,) float, each sample's reward (an episode's sum for multi-turn runs).
+        rewards: (B,) float, each sample's reward (an episode's sum for multi-turn runs; its
+            last turn's under per-turn credit, with the earlier turns in ``token_rewards``).
         truncated: (B,) bool, the sample hit the generation budget.
+        token_rewards: (B, L) float rewards placed on action tokens besides ``rewards`` (per-turn
+            credit: each earlier turn's reward on that turn's last action token), or None.
     """
 
     sequences: Tensor
@@ -45,6 +48,7 @@ class Samples:
     rollout_logprobs: Tensor
     rewards: Tensor
     truncated: Tensor
+    token_rewards: Tensor | None = None
 
     @classmethod
     def collate(
@@ -55,14 +59,14 @@ class Samples:
         rollout_logprobs: Sequence[Sequence[float]],
         rewards: Sequence[float],
         truncated: Sequence[bool],
+        token_rewards: Sequence[Sequence[float]] | None = None,
         pad_token_id: int = 0,
     ) -> Samples:
         """Right-pad per-sample lists (as ``rlhf.agents.Trajectory`` holds them)."""
-        batch = collate(
-            token_ids,
-            pad_token_id=pad_token_id,
-            per_token={"action_mask": action_mask, "rollout_logprobs": rollout_logprobs},
-        )
+        per_token = {"action_mask": action_mask, "rollout_logprobs": rollout_logprobs}
+        if token_rewards is not None:
+            per_token["token_rewards"] = token_rewards
+        batch = collate(token_ids, pad_token_id=pad_token_id, per_token=per_token)
         return cls(
             sequences=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -70,6 +74,7 @@ class Samples:
             rollout_logprobs=batch["rollout_logprobs"],
             rewards=torch.tensor([float(r) for r in rewards]),
             truncated=torch.tensor([bool(t) for t in truncated]),
+            token_rewards=batch["token_rewards"] if token_rewards is not None else None,
         )
 
     @property

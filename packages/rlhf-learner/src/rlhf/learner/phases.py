@@ -196,11 +196,13 @@ def make_experience(
         values=values,
         kl=None if algo.kl.use_loss else kl,
         kl_coef=0.0 if algo.kl.use_loss else kl_coef,
+        token_rewards=samples.token_rewards,
     )
+    episode = rewards if samples.token_rewards is None else rewards + samples.token_rewards.sum(1)
     metrics.update(
         {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward/mean": float(episode.mean()),
+            "reward/std": float(episode.std()) if episode.numel() > 1 else 0.0,
             "reward/shaped_mean": float(shaped.mean()),
             "rollout/response_length_mean": float(lengths.float().mean()),
             "rollout/samples": float(samples.size),

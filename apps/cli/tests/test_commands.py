@@ -85,9 +85,13 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
         "dapo": ["--algo.overlong_buffer_len", "2"],
         # PPO runs padding-free: actor, reference and critic forwards on packed rows.
         "ppo": ["--actor.model.packing_samples", "True", "--critic.model.packing_samples", "True"],
-        # GRPO's actor and reference take their log-probs through the chunked lm_head.
-        "grpo": ["--actor.model.chunked_lm_head", "True"],
-    }.get(preset, [])
+        # GRPO's actor and reference take their log-probs through the chunked lm_head; the
+        # best evaluated policy is kept and the EMA exported.
+        "grpo": [
+            "--actor.model.chunked_lm_head", "True",
+            "--eval.best_metric", "eval/sort4/pass@1", "--actor.optimizer.ema_decay", "0.9",
+        ],
+    }.get(preset, [])  # fmt: skip
     out = rlhf("train", preset, *_train_args(assets, tmp_path), *extra)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "[plan] prompts/step 4, samples/step 16" in out.stdout
@@ -113,6 +117,31 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
         assert config["algo"]["loss_agg_max_len"] == 6
     assert (tmp_path / "final" / "model.safetensors").is_file()
     assert (tmp_path / "curves.png").stat().st_size > 1000
+    if preset == "grpo":
+        _check_best_and_ema(assets["model"], tmp_path, evals)
+
+
+def _weights(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _check_best_and_ema(initial, run_dir, evals) -> None:
+    """``run_dir/best`` holds the policy of the first evaluation with the highest pass@1 (the
+    initial model at step 0, the final one at step 2); ``final_ema`` is neither."""
+    scores = [(r["eval/sort4/pass@1"], -r["step"]) for r in evals]
+    value, neg_step = max(scores)
+    record = json.loads((run_dir / "best" / "best.json").read_text())
+    assert record == {"metric": "eval/sort4/pass@1", "mode": "max", "value": value,
+                      "step": -neg_step}  # fmt: skip
+    best = _weights(run_dir / "best")
+    same_as = _weights(initial) if record["step"] == 0 else _weights(run_dir / "final")
+    assert best.keys() == same_as.keys()
+    assert all(best[k].equal(same_as[k]) for k in best)
+    ema, final, start = (_weights(p) for p in (run_dir / "final_ema", run_dir / "final", initial))
+    moved = [k for k in final if not final[k].equal(start[k])]
+    assert moved and all(not ema[k].equal(final[k]) and not ema[k].equal(start[k]) for k in moved)
 
 
 def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:

@@ -377,6 +377,11 @@ class EvalConfig:
         solved_threshold: A sample solves its prompt when its score is at least this (1.0:
             full marks of a 0/1 or graded reward; a graded reward's partial credit does not
             count as solved). ``eval/<source>/score_mean`` reports the mean score itself.
+        best_metric: Keep the best evaluated policy (`rlhf.cli.best`): after an evaluation
+            whose metric (``eval/<source>/pass@1``, ``…/pass@<n_samples>`` or
+            ``…/score_mean``) beats the best so far, the actor is exported to
+            ``run_dir/best`` with a ``best.json`` (step, value). Empty: off.
+        best_mode: ``max`` (higher is better) or ``min``.
     """
 
     steps: int = 10
@@ -384,6 +389,8 @@ class EvalConfig:
     temperature: float = 1.0
     max_prompts: int = 256
     solved_threshold: float = 1.0
+    best_metric: str = ""
+    best_mode: str = "max"
 
 
 @dataclass(frozen=True)
@@ -394,7 +401,9 @@ class CkptConfig:
         save_steps: Save every this many steps; 0 saves only at the end.
         keep: Keep this many newest checkpoints.
         load_enable: Resume from the newest complete checkpoint in the run directory.
-        export_hf: Export the final policy as a transformers checkpoint (run_dir/final).
+        export_hf: Export the final policy as a transformers checkpoint (run_dir/final; with
+            ``--actor.optimizer.ema_decay``, its exponential moving average beside it in
+            run_dir/final_ema).
     """
 
     save_steps: int = 0
@@ -687,6 +696,15 @@ class RLConfig:
                 "--train.reward_model_path / --reward.remote_url",
             ),
             (self.train.agent_max_turns < 1, "--train.agent_max_turns must be >= 1"),
+            (
+                self.eval.best_mode not in ("max", "min"),
+                f"--eval.best_mode must be max or min, got {self.eval.best_mode!r}",
+            ),
+            (
+                bool(self.eval.best_metric) and not (self.data.eval_data and self.eval.steps),
+                "--eval.best_metric compares evaluations: give --data.eval_data and "
+                "--eval.steps > 0",
+            ),
             (
                 self.train.turn_credit not in TURN_CREDIT,
                 f"--train.turn_credit must be one of {', '.join(TURN_CREDIT)}, got "

@@ -29,6 +29,7 @@ import torch
 from ray.exceptions import RayActorError
 
 from rlhf.algos import make_kl_controller
+from rlhf.cli.best import BestModel, check_metric
 from rlhf.cli.cluster import start_ray
 from rlhf.cli.config import RLConfig
 from rlhf.cli.data import Prompt, PromptSampler, prompt_sources
@@ -75,6 +76,12 @@ def run_rl(
     torch.manual_seed(config.train.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
     sampler, eval_prompts = prompt_sources(config.data, tokenizer, seed=config.train.seed)
+    best = None
+    if config.eval.best_metric:
+        check_metric(config.eval.best_metric, sources=eval_prompts, n_samples=config.eval.n_samples)
+        best = BestModel.open(
+            metric=config.eval.best_metric, mode=config.eval.best_mode, directory=run_dir / "best"
+        )
     executors = Executors(
         tokenizer=tokenizer,
         rollout=config.rollout,
@@ -126,6 +133,7 @@ def run_rl(
             ckpt_root=run_dir / "checkpoints",
             echo=echo,
             stopwatch=watch,
+            best=best,
         )
         (run_dir / "placement.json").write_text(json.dumps(roles.report_placement(), indent=1))
         watch.lap("roles")
@@ -134,9 +142,13 @@ def run_rl(
         asyncio.run(driver.run(start, queue))
         driver.enter("training", record=False)  # the learners' states back on the device
         if config.ckpt.export_hf:
-            roles.actor.export_hf(str(run_dir / "final"))
-            if (run_dir / "final").is_dir():
-                tokenizer.save_pretrained(run_dir / "final")
+            exports = {"final": False}
+            if config.actor.optimizer.ema_decay is not None:
+                exports["final_ema"] = True
+            for name, ema in exports.items():
+                roles.actor.export_hf(str(run_dir / name), ema=ema)
+                if (run_dir / name).is_dir():
+                    tokenizer.save_pretrained(run_dir / name)
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
         driver.transport.close()
         (run_dir / "sync.json").write_text(json.dumps(report(transport, why, roles.engines)))
@@ -164,6 +176,7 @@ class RLDriver:
     echo: Callable[[str], None]
     progress: Progress | None = None
     stopwatch: Stopwatch | None = None
+    best: BestModel | None = None
     step_began: float = 0.0
     last: dict[str, Any] = dataclasses.field(default_factory=dict)
     evaluations: list[dict[str, float]] = dataclasses.field(default_factory=list)
@@ -304,6 +317,18 @@ class RLDriver:
         self.evaluations.append({"step": step, **result})
         self.log.write(self.evaluations[-1])
         self.echo(summary_line(self.evaluations[-1]))
+        if self.best is not None and self.best.improves(result):
+            await asyncio.to_thread(self.export_best, step, result)
+
+    def export_best(self, step: int, evaluation: dict[str, float]) -> None:
+        """The actor, just evaluated best so far, to ``run_dir/best`` (`rlhf.cli.best`)."""
+        best = self.best
+        assert best is not None
+        self.enter("training", record=False)  # the weights on the device to gather them
+        self.roles.actor.export_hf(str(best.directory))
+        self.enter("generation", record=False)
+        best.record(step=step, evaluation=evaluation)
+        self.echo(f"[best] step {step}: {best.metric} {best.value:.4f} -> {best.directory}")
 
     async def finish(self, step: int, metrics: dict[str, Any], queue: list[Rollout]) -> None:
         c = self.config

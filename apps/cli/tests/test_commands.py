@@ -82,7 +82,16 @@ def _train_args(assets, run_dir, steps: int = 2) -> list[str]:
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
     extra = {
-        "dapo": ["--algo.overlong_buffer_len", "2"],
+        # DAPO with its overlong filtering and a sequence-level rollout correction (tyro's
+        # subcommand for the optional section, then its flags, at the end).
+        "dapo": [
+            "--algo.overlong_buffer_len", "2", "--algo.overlong_filtering", "True",
+            "algo.rollout_correction:rollout_correction_config",
+            "--algo.rollout_correction.level", "sequence",
+        ],
+        # The other policy losses, on presets that would otherwise repeat the PPO loss.
+        "reinforce_baseline": ["--algo.policy_loss.name", "gspo"],
+        "rloo": ["--algo.policy_loss.name", "cispo"],
         # PPO runs padding-free: actor, reference and critic forwards on packed rows.
         "ppo": ["--actor.model.packing_samples", "True", "--critic.model.packing_samples", "True"],
         # GRPO's actor and reference take their log-probs through the chunked lm_head; the
@@ -109,6 +118,15 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
         assert r["actor/rollout_logprob_diff_max"] < 1e-2
     if preset == "ppo":
         assert all(r["critic/value_loss"] >= 0 and r["critic/grad_norm"] > 0 for r in steps)
+    # GSPO's sequence-level ratio is its own metric; no other loss reports it.
+    assert all(("actor/seq_ratio_mean" in r) == (preset == "reinforce_baseline") for r in steps)
+    if preset == "dapo":
+        # Synchronous: the sequence ratio exp(Σδ) over <= 6 tokens with |δ| < 1e-2 (checked
+        # above) is within exp(±0.06) of 1, on every micro-batch that has action tokens left
+        # after the overlong filtering.
+        for r in steps:
+            assert abs(r["rollout_correction/weight_mean"] - 1.0) < 0.07
+            assert "rollout/dropped_groups" in r
     evals = [r for r in rows if "eval/sort4/pass@1" in r]
     assert [r["step"] for r in evals] == [0, 2]
     config = json.loads((tmp_path / "config.json").read_text())

@@ -201,6 +201,38 @@ def test_ppo_objective_equals_rlhf_algos_on_the_full_batch(tiny) -> None:
     assert metrics["actor/entropy"] > 0
 
 
+def test_micro_batches_without_actions_report_no_metrics_and_maxima_stay_maxima(tiny) -> None:
+    """A micro-batch whose rows were all filtered out (action mask all 0) still contributes its
+    (zero) loss but no metrics; `train_passes` averages the others over the micro-batches that
+    report them and keeps ``*_max`` metrics as maxima."""
+    from rlhf.learner.rank import combine_metric, train_passes
+
+    model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    batch = _rl_batch(model, seed=1)
+    m = batch["action_mask"]
+    objective = PPOActorObjective(
+        algo=AlgoConfig(), normalizer=float(loss_normalizer(m, mode="token-mean"))
+    )
+    filtered = batch.select([0, 1])
+    filtered.fields["action_mask"] = torch.zeros_like(filtered["action_mask"])
+    loss, metrics = objective(model, filtered)
+    assert metrics == {} and loss.item() == 0.0
+    parts = [batch.select([2]), filtered, batch.select([3, 4, 5])]
+    each = [objective(model, p)[1] for p in parts]
+    out = train_passes(
+        parts, objective, runner=model, passes=3, weights=None, placed=lambda b: b,
+        backward=lambda loss, w: None,
+    )  # fmt: skip
+    real = [e for e in each if e]
+    assert len(real) == 2
+    for key in real[0]:
+        values = [float(e[key]) for e in real]
+        want = max(values) if key.endswith("_max") else sum(values) / 2
+        assert out[key] == pytest.approx(want, rel=1e-6), key
+    assert combine_metric("actor/x_max", [0.1, 0.3]) == 0.3
+    assert combine_metric("actor/x", [0.1, 0.3]) == pytest.approx(0.2)
+
+
 def test_sft_objective_is_token_mean_nll(tiny, tokenizer) -> None:
     model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     rows = [

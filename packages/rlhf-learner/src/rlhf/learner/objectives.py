@@ -116,7 +116,7 @@ class PPOActorObjective:
             if want_entropy:
                 loss = loss - algo.entropy_coef * entropy_share
             metrics["actor/entropy"] = entropy_share.detach()
-        return loss, metrics
+        return loss, _unless_empty(mask, metrics)
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,14 @@ class CriticObjective:
             max_len=self.algo.loss_agg_max_len,
         )
         metrics["critic/value_loss"] = loss.detach()
-        return loss, metrics
+        return loss, _unless_empty(mask, metrics)
+
+
+def _unless_empty(mask: Tensor, metrics: Metrics) -> Metrics:
+    """A micro-batch without action tokens (every row filtered, e.g. DAPO's overlong
+    filtering) still runs its forward and backward (ranks stay in step) but reports no
+    metrics: its means would be 0 over nothing and drag the step's average."""
+    return metrics if bool(mask.any()) else {}
 
 
 @dataclass(frozen=True)

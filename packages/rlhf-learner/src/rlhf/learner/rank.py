@@ -99,12 +99,12 @@ def train_passes(
     """Forward and backward of every micro-batch of this rank, then weight-0 repeats of the
     first up to ``passes``; ``backward(loss, w)`` backpropagates a micro-batch's loss with its
     weight ``w`` (the backend applies its data-parallel scale). Returns ``loss`` (the sum of
-    ``loss * w``: this rank's share of the global loss) and every other metric averaged over
-    the micro-batches of weight > 0."""
+    ``loss * w``: this rank's share of the global loss) and every other metric over the
+    micro-batches of weight > 0 that report it: the largest of a ``*_max`` metric, the mean
+    of the others."""
     scale = [1.0] * len(micro_batches) if weights is None else list(weights)
     loss_total = 0.0
-    sums: dict[str, float] = {}
-    counted = 0
+    seen: dict[str, list[float]] = {}
     for i in range(passes):
         real = i < len(micro_batches)
         w = scale[i] if real else 0.0
@@ -112,12 +112,17 @@ def train_passes(
         backward(loss, w)
         if real and w > 0:
             loss_total += float(loss.detach()) * w
-            counted += 1
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    out = {k: v / max(counted, 1) for k, v in sums.items()}
+                seen.setdefault(k, []).append(float(v))
+    out = {k: combine_metric(k, values) for k, values in seen.items()}
     out["loss"] = loss_total
     return out
+
+
+def combine_metric(name: str, values: Sequence[float]) -> float:
+    """One value of metric ``name`` from several micro-batches or ranks: the largest for a
+    ``*_max`` metric, else the mean."""
+    return max(values) if name.endswith("_max") else sum(values) / len(values)
 
 
 def forward_passes(

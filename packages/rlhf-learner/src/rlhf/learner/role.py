@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 from rlhf.learner.backend import Backend, BackendFactory, Objective
 from rlhf.learner.batch import Batch, micro_batches, shard
 from rlhf.learner.config import LearnerConfig
+from rlhf.learner.rank import combine_metric
 
 ForwardFn = Callable[[Any, Batch], Any]
 """``fn(model, micro_batch)``, run without gradient (picklable for `LearnerGroup`)."""
@@ -101,10 +102,11 @@ def rank_work(
 def merge_train_metrics(results: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """One step's metrics from the ranks' `Backend.train_micro_batches` results: ``loss``
     summed (each rank's is its share of the global loss), ``grad_norm`` and ``lr`` from rank
-    0 (the same on every rank), others averaged over the ranks that reported them (a rank
-    that only ran a weight-0 pass reports none)."""
+    0 (the same on every rank), others over the ranks that reported them (a rank that only
+    ran a weight-0 pass reports none): the largest of a ``*_max`` metric, the mean of the
+    others (`rlhf.learner.rank.combine_metric`)."""
     keys = {k for r in results for k in r}
-    merged = {k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys}
+    merged = {k: combine_metric(k, [r[k] for r in results if k in r]) for k in keys}
     merged["loss"] = sum(r["loss"] for r in results)
     merged["grad_norm"] = results[0]["grad_norm"]
     merged["lr"] = results[0]["lr"]

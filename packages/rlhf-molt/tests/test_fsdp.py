@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
 
 import pytest
 import torch
@@ -127,6 +128,41 @@ def test_dcp_resume_continues_bit_for_bit(group, tiny, tokenizer, tmp_path) -> N
         assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"])
     state = full_state(group)
     assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+class _Planted:
+    """Unpickling it creates the file ``marker``: what a hostile checkpoint could do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unread(group, tiny, tmp_path) -> None:
+    import io
+    import pickle
+
+    from rlhf.molt.safe_dcp import SafeLoadPlanner
+
+    group.build(config(tiny), backend=MOLT)
+    path = group.save(str(tmp_path / "ckpt"), 1, client_state={"step": 1}, keep=2)
+    marker = tmp_path / "ran"
+    (pathlib.Path(path) / "backend" / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    group.build(config(tiny), backend=MOLT)
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata refers to (io|builtins)\.open, which DCP .* refusing"
+    ):
+        group.load(path)
+    # A non-tensor item (optimizer hyper-parameters ride as pickled bytes) gets the same check.
+    planted = io.BytesIO()
+    torch.save(_Planted(str(marker)), planted)
+    planted.seek(0)
+    item = type("Item", (), {"dest_index": type("Index", (), {"fqn": "optim.param_groups"})})
+    with pytest.raises(CheckpointError, match=r"'optim.param_groups' holds more than tensors"):
+        SafeLoadPlanner().load_bytes(item, planted)
+    assert not marker.exists()
 
 
 def test_another_backends_checkpoint_is_refused(group, tiny, tmp_path) -> None:

@@ -380,7 +380,8 @@ class FSDPBackend:
         """Validate ``directory`` against this model, then restore everything
         `save_checkpoint` wrote; returns the driver's trainer state."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-        from torch.distributed.checkpoint.state_dict_loader import load
+
+        from rlhf.molt.safe_dcp import safe_load
 
         state = ckpt.validate(directory, self.fingerprint())
         if self.optimizer is None:
@@ -393,7 +394,7 @@ class FSDPBackend:
                 "deepspeed) or is incomplete"
             )
         loaded = self._dcp_state(to_load=True)
-        load(loaded, checkpoint_id=str(backend))
+        safe_load(loaded, directory=str(backend))
         schedule = json.loads((backend / _SCHEDULE_FILE).read_text())
         if isinstance(self.optimizer, HostAdamW):
             set_model_state_dict(self._module, loaded["model"])

@@ -305,3 +305,16 @@ def test_every_problem_is_listed_at_once_before_anything_starts(assets, tmp_path
 def test_unknown_flag_is_refused() -> None:
     out = rlhf("train", "grpo", "--rollout.n_samples", "4", timeout=120)
     assert out.returncode == 2 and "n_samples" in out.stderr
+
+
+def test_debug_shows_the_traceback_of_a_user_error(capsys) -> None:
+    from rlhf.cli.main import main
+
+    assert main(["train", "grpo"]) == 2
+    plain = capsys.readouterr().err
+    assert plain.startswith("rlhf: ") and "--actor.model.path is required" in plain
+    assert "Traceback" not in plain
+    assert main(["train", "grpo", "--debug"]) == 2
+    shown = capsys.readouterr().err
+    assert shown.startswith("Traceback (most recent call last):") and "ConfigError" in shown
+    assert shown.endswith(plain)  # the same message, after the traceback

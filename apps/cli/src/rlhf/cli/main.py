@@ -9,6 +9,7 @@
 
 Flags are the packages' frozen configs, dotted: ``--rollout.n_samples_per_prompt 8``;
 ``--config run.yaml`` loads values first (flags win). ``rlhf <command> --help`` lists them.
+``--debug`` (anywhere) prints the traceback of a user error too, not only its message.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import json
 import re
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -95,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rlhf.learner import CheckpointError, DataError, ModelLoadError
 
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
         return 0
@@ -128,12 +132,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         RewardError,
         EnvironmentStepError,
     ) as exc:
-        print(f"rlhf: {_message(exc)}", file=sys.stderr)
+        _report(exc, debug=debug)
         return 2
     except RunError as exc:
-        print(f"rlhf: {_message(exc)}", file=sys.stderr)
+        _report(exc, debug=debug)
         return 1
     return 0
+
+
+def _report(exc: BaseException, *, debug: bool) -> None:
+    """A user error: its message on one line; with ``--debug``, its traceback first."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"rlhf: {_message(exc)}", file=sys.stderr)
 
 
 def _message(exc: BaseException) -> str:

@@ -1,6 +1,7 @@
 """Backend-neutral parts: schedule, parameter groups, batching, data rows, checkpoint layout,
 and the objectives against rlhf.algos on a real model in one process."""
 
+import json
 import math
 
 import pytest
@@ -150,6 +151,44 @@ def test_checkpoint_layout_finalize_rotate_and_refuse(tmp_path) -> None:
         ckpt.validate(latest_checkpoint(tmp_path), {"w": [3, 3], "v": [1]})
     with pytest.raises(CheckpointError, match="does not exist"):
         ckpt.validate(tmp_path / "nope", fp)
+
+
+def test_a_checkpoint_damaged_after_writing_is_named_and_skipped(tmp_path) -> None:
+    import zlib
+
+    fp = {"w": [2, 3]}
+    for step in (1, 2):
+        staging = staging_dir(tmp_path, step)
+        (staging / "backend").mkdir(parents=True)
+        (staging / "backend" / "shard.bin").write_bytes(bytes(range(256)) * step)
+        ckpt.finalize(tmp_path, step, fingerprint=fp, client_state={"step": step}, keep=None)
+    newest = latest_checkpoint(tmp_path)
+    marker = json.loads((newest / "COMPLETE").read_text())
+    data = bytes(range(256)) * 2
+    assert marker["files"]["backend/shard.bin"] == [len(data), zlib.crc32(data)]
+    assert set(marker["files"]) == {"backend/shard.bin", "model.json", "trainer_state.json"}
+    assert ckpt.verify_checkpoint(newest) == []
+    shard = newest / "backend" / "shard.bin"
+    shard.write_bytes(data[:-1] + b"\x00")  # same size, one byte changed
+    assert ckpt.verify_checkpoint(newest) == [
+        "backend/shard.bin differs from what was written (CRC-32)"
+    ]
+    shard.write_bytes(data[:100])
+    assert ckpt.verify_checkpoint(newest) == [
+        f"backend/shard.bin has 100 bytes, {len(data)} were written"
+    ]
+    intact, damaged = ckpt.latest_intact_checkpoint(tmp_path)
+    assert intact == ckpt.final_dir(tmp_path, 1) and [d for d, _ in damaged] == [newest]
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-00000002 is damaged .*shard.bin has 100 bytes.*intact one is .*step-00000001",
+    ):
+        ckpt.validate(newest, fp)
+    shard.unlink()
+    assert ckpt.verify_checkpoint(newest) == ["backend/shard.bin is missing"]
+    # A checkpoint from before manifests (a marker with the step only) is not checked.
+    (newest / "COMPLETE").write_text(json.dumps({"step": 2}))
+    assert ckpt.verify_checkpoint(newest) == []
 
 
 def test_missing_model_path_is_named(tmp_path) -> None:

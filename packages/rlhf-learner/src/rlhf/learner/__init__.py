@@ -18,7 +18,9 @@ from rlhf.learner.checkpoint import (
     complete_checkpoints,
     final_dir,
     latest_checkpoint,
+    latest_intact_checkpoint,
     staging_dir,
+    verify_checkpoint,
 )
 from rlhf.learner.config import (
     ROLE_KINDS,
@@ -127,6 +129,7 @@ __all__ = [
     "final_dir",
     "fingerprint",
     "latest_checkpoint",
+    "latest_intact_checkpoint",
     "lm_head_parts",
     "load_model",
     "lr_lambda",
@@ -150,5 +153,6 @@ __all__ = [
     "token_logprobs",
     "token_values",
     "token_values_of",
+    "verify_checkpoint",
     "write_hf_export",
 ]

@@ -4,6 +4,7 @@ split, learning, checkpoints, HF export and weight buckets, with ZeRO-2 and ZeRO
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 
 import pytest
@@ -260,6 +261,13 @@ class _TouchOnLoad:
         return (pathlib.Path.touch, (self.marker,))
 
 
+def _forge_manifest(path: pathlib.Path) -> None:
+    """What a hostile or hand-edited checkpoint would carry: a manifest matching its files."""
+    from rlhf.learner import checkpoint as ckpt
+
+    (path / "COMPLETE").write_text(json.dumps({"step": 1, "files": ckpt.manifest(path)}))
+
+
 def test_checkpoint_files_are_read_without_running_code(group, tiny, tmp_path) -> None:
     group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
     path = pathlib.Path(group.save(str(tmp_path / "ckpt"), 1, client_state={"step": 1}))
@@ -267,17 +275,25 @@ def test_checkpoint_files_are_read_without_running_code(group, tiny, tmp_path) -
     rng = path / "rng" / "rank-0.pt"
     good_rng = rng.read_bytes()
     torch.save({"python": _TouchOnLoad(marker)}, rng)
+    # The manifest notices the change first; with a forged one the reader still refuses.
+    with pytest.raises(CheckpointError, match=r"damaged .*rng/rank-0\.pt (has|differs)"):
+        group.load(str(path))
+    _forge_manifest(path)
     with pytest.raises(CheckpointError, match=r"rank-0\.pt \(the RNG state of rank 0\) does not"):
         group.load(str(path))
     rng.write_bytes(good_rng)
     (optim,) = (path / "backend" / "state").glob("zero_pp_rank_0_*optim_states.pt")
     torch.save({"optimizer_state_dict": _TouchOnLoad(marker)}, optim)
+    _forge_manifest(path)
     with pytest.raises(CheckpointError, match=r"optim_states\.pt \(DeepSpeed engine state\)"):
         group.load(str(path))
     assert not marker.exists()
     group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
     fresh = pathlib.Path(group.save(str(tmp_path / "fresh"), 1, client_state={"step": 1}))
     (fresh / "rng" / "rank-0.pt").unlink()  # rank 1's is there: not a checkpoint of fewer ranks
+    with pytest.raises(CheckpointError, match=r"damaged .*rng/rank-0\.pt is missing"):
+        group.load(str(fresh))
+    _forge_manifest(fresh)
     with pytest.raises(CheckpointError, match=r"is missing rng/rank-0\.pt \(deleted, or an incomp"):
         group.load(str(fresh))
 

@@ -124,7 +124,8 @@ class DeepSpeedConfig:
     Attributes:
         zero_stage: 0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients), 3 (+
             parameters).
-        offload_optimizer: Keep optimizer state (and its step) on the CPU.
+        offload_optimizer: Keep optimizer state (and its step) on the CPU: ZeRO-Offload, ZeRO
+            stage 1–3, stepping torch AdamW on the host (not DeepSpeed's compiled CPU Adam).
         offload_params: Keep parameters on the CPU between uses (ZeRO-3 only).
         bf16: Run the model in bfloat16 with fp32 master weights.
         ring_attn_size: Context-parallel group size: each row's sequence is split over this
@@ -157,6 +158,12 @@ class DeepSpeedConfig:
             raise ValueError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("deepspeed.offload_params needs deepspeed.zero_stage=3")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError(
+                "deepspeed.offload_optimizer needs deepspeed.zero_stage 1, 2 or 3: DeepSpeed "
+                "ignores it at ZeRO-0 (the optimizer states would stay on the device); set "
+                "deepspeed.zero_stage 1 or 2, or deepspeed.offload_optimizer False"
+            )
         if self.ring_attn_size < 1:
             raise ValueError(f"deepspeed.ring_attn_size must be >= 1, got {self.ring_attn_size}")
         if self.tp_size < 1:

@@ -2,6 +2,8 @@
 
 ZeRO 0–3, optimizer/parameter CPU offload, bf16 with fp32 master weights, gradient clipping,
 torch AdamW with the schedule of `rlhf.learner.optim` (no compiled extension is needed).
+At float32 ZeRO-0 DeepSpeed steps that optimizer unwrapped and keeps no gradient norm, so the
+backend clips and measures it there (`_owns_clipping`).
 
 Gradient accumulation is caller-owned (DeepSpeed's ``managed_gradient_accumulation=false``):
 one `train_micro_batches` call runs every micro-batch of this rank, then one optimizer step,
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import pathlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -83,6 +86,7 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
     if ds.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     opt = config.optimizer
+    clip = 0.0 if opt is None or _owns_clipping(config) else opt.grad_clip
     compiled = _compiled(config)
     extra: dict[str, Any] = {}
     if ds.tp_size > 1:
@@ -94,7 +98,7 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": compiled,
-        "gradient_clipping": opt.grad_clip if opt is not None else 0.0,
+        "gradient_clipping": clip,
         "zero_optimization": zero,
         "bf16": {"enabled": ds.bf16},
         "zero_allow_untested_optimizer": True,
@@ -103,6 +107,14 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def _owns_clipping(config: LearnerConfig) -> bool:
+    """Whether the backend, not DeepSpeed, clips the gradients and measures their norm: a
+    float32 training role at ZeRO-0, where DeepSpeed steps the torch optimizer unwrapped and
+    keeps no norm (its ``get_global_grad_norm`` stays None; see `_clip_zero0_gradients`)."""
+    ds = config.deepspeed
+    return config.optimizer is not None and ds.zero_stage == 0 and not ds.bf16
 
 
 def _compiled(config: LearnerConfig) -> bool:
@@ -185,12 +197,15 @@ class DeepSpeedBackend:
             model = shard_sequence(model, group=ring, flag="deepspeed.ring_attn_size")
         self.engine: Any = None
         self.scheduler: Any = None
+        self._zero0_grad_norm: float | None = None
         if config.optimizer is not None:
             optimizer, scheduler = build_optimizer(model, config.optimizer)
             self.engine, _, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self._ds_config
             )
             self.engine.checkpoint_engine = TensorsOnlyLoads(self.engine.checkpoint_engine)
+            if _owns_clipping(config):
+                optimizer.register_step_pre_hook(self._clip_zero0_gradients)
             self._module = self.engine.module
             if _compiled(config):
                 self.engine.compile()
@@ -261,15 +276,33 @@ class DeepSpeedBackend:
                 loss * (w * self.dp_size), scale_wrt_gas=False
             ),
         )
+        self._zero0_grad_norm = None
         engine.step()
         decay = self.config.optimizer.ema_decay
         if self._ema is not None and decay is not None:
             shared.ema_update(self._ema, ((n, _local(p)) for n, p in self._trainable()), decay)
-        norm = self.engine.get_global_grad_norm()
+        norm = (
+            self._zero0_grad_norm
+            if _owns_clipping(self.config)
+            else self.engine.get_global_grad_norm()
+        )
         out["grad_norm"] = float(norm) if norm is not None else float("nan")
         out["lr"] = float(self.engine.get_lr()[0])
         self._module.eval()
         return out
+
+    def _clip_zero0_gradients(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The torch optimizer's step pre-hook at float32 ZeRO-0 (`_owns_clipping`): the
+        gradients are all-reduced by then; clip them to ``optimizer.grad_clip`` (0: measure
+        only) with DeepSpeed's ``clip_grad_norm_`` (what its engine runs at this stage, model
+        parallel aware through the engine's ``mpu``) and keep the norm before clipping."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        assert self.config.optimizer is not None
+        max_norm = self.config.optimizer.grad_clip or math.inf
+        engine = self.engine
+        norm = clip_grad_norm_(engine.module.parameters(), max_norm, mpu=engine.mpu)
+        self._zero0_grad_norm = float(norm)
 
     def forward_micro_batches(self, micro_batches: Sequence[Batch], fn: Any) -> list[Any]:
         """``fn(model, batch)`` per micro-batch, no gradient, eval mode; results on the CPU."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -141,8 +140,10 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
 
 
 def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets, tmp_path):
-    """The checkpoint is read before Ray starts: a run that is already done or has another
-    batch shape is refused naming the flag; no checkpoint at all is said, not passed over."""
+    """The checkpoint is read before Ray starts: a run that is already done, has another
+    batch shape (unless --ckpt.allow_config_change accepts it), has no checkpoint, or whose
+    newest checkpoint was damaged since it was written is refused naming the flag; ``auto``
+    passes over what is missing or damaged."""
     common = [*small_run(assets, steps=2), "--ckpt.save_steps", "1"]
     first = rlhf("train", "grpo", "--run_dir", str(tmp_path / "run"), *common)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -158,22 +159,56 @@ def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets
     assert reshaped.returncode == 2, reshaped.stderr[-2000:]
     assert (
         "--rollout.batch_size is 2 but step-00000002 was written with 4: resume with the same "
-        "value, or start a new --run_dir" in reshaped.stderr
+        "value, start a new --run_dir, or accept the change with --ckpt.allow_config_change "
+        "rollout.batch_size" in reshaped.stderr
     )
     assert "Traceback" not in done.stderr + reshaped.stderr
-    # A corrupt file is found inside a learner actor: its own message, not Ray's traceback.
-    (tmp_path / "run/checkpoints/step-00000002/rng/rank-0.pt").write_bytes(b"not a checkpoint")
+    # What passes goes on to start Ray: checked here in this process (`check_resume` is what
+    # the command runs before anything starts).
+    accepted = plan_line(*resume, "--train.num_steps", "3", "--rollout.batch_size", "2",
+                         "--ckpt.allow_config_change", "rollout.batch_size")  # fmt: skip
+    assert accepted.endswith("step-00000002 (step 2)"), accepted
+    # A file damaged after the save: named before start-up, the intact step 1 offered.
+    rng = tmp_path / "run/checkpoints/step-00000002/rng/rank-0.pt"
+    good = rng.read_bytes()
+    rng.write_bytes(b"not a checkpoint")
+    damaged = rlhf(*resume, "--train.num_steps", "3", timeout=300)
+    assert damaged.returncode == 2, damaged.stderr[-3000:]
+    assert (
+        f"step-00000002 is damaged (rng/rank-0.pt has 16 bytes, {len(good)} were written); "
+        "the newest intact one is step-00000001" in damaged.stderr
+    )
+    skipped = plan_line(*resume[:-1], "auto", "--train.num_steps", "3")
+    assert skipped.startswith("step-00000002 is damaged") and skipped.endswith("(step 1)")
+    # Damaged under a manifest that matches it (a hand-edited checkpoint): the learner actor's
+    # reader refuses it, with its own message rather than Ray's traceback.
+    from rlhf.learner import checkpoint as ckpt
+
+    complete = tmp_path / "run/checkpoints/step-00000002/COMPLETE"
+    complete.write_text(json.dumps({"step": 2, "files": ckpt.manifest(complete.parent)}))
     corrupt = rlhf(*resume, "--train.num_steps", "3", timeout=600)
     assert corrupt.returncode == 2, corrupt.stderr[-3000:]
     last = corrupt.stderr.strip().splitlines()[-1]
     assert last.startswith("rlhf: ") and "rank-0.pt (the RNG state of rank 0) does not load" in last
     assert "\x1b[" not in last and "RayTaskError" not in last
-    # No checkpoint: said in the plan (this run then stops at a Ray address nothing answers at).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    fresh = rlhf("train", "grpo", "--run_dir", str(tmp_path / "typo"), *common,
-                 "--ckpt.load_enable", "True", "--ray.address", f"127.0.0.1:{port}",
-                 timeout=300)  # fmt: skip
-    assert "[plan] resume: no checkpoint under" in fresh.stdout, fresh.stdout[-2000:]
-    assert "starting at step 0 (a new run)" in fresh.stdout
+    # No checkpoint: an error with True (a mistyped --run_dir?), a new run with auto.
+    typo = ["train", "grpo", "--run_dir", str(tmp_path / "typo"), *common]
+    missing = rlhf(*typo, "--ckpt.load_enable", "True", timeout=300)
+    assert missing.returncode == 2 and "--ckpt.load_enable True: no checkpoint under" in (
+        missing.stderr
+    )
+    fresh = plan_line(*typo, "--ckpt.load_enable", "auto")
+    assert fresh.startswith("no checkpoint under") and fresh.endswith("(a new run)")
+
+
+def plan_line(command: str, preset: str, *flags: str) -> str:
+    """The ``[plan] resume:`` line ``rlhf train <preset> <flags>`` prints before Ray starts."""
+    import pathlib
+
+    from rlhf.cli.main import _parse
+    from rlhf.cli.presets import resolve
+    from rlhf.cli.resume import check_resume
+
+    config = _parse(type(resolve(preset)), flags, resolve(preset), "rlhf train")
+    root = pathlib.Path(config.run_dir) / "checkpoints"
+    return check_resume(config.validate(), root)[1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import pathlib
 
 import pytest
@@ -30,6 +31,7 @@ from rlhf.learner import (
     sequence_logps,
     stream_weights,
 )
+from rlhf.learner import checkpoint as ckpt
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
 from rlhf.weights import iter_tensors, validate_sync
@@ -150,6 +152,9 @@ def test_a_checkpoint_that_would_run_code_is_refused_unread(group, tiny, tmp_pat
     path = group.save(str(tmp_path / "ckpt"), 1, client_state={"step": 1}, keep=2)
     marker = tmp_path / "ran"
     (pathlib.Path(path) / "backend" / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    # A hostile checkpoint comes with a manifest that matches it.
+    complete = pathlib.Path(path) / "COMPLETE"
+    complete.write_text(json.dumps({"step": 1, "files": ckpt.manifest(path)}))
     group.build(config(tiny), backend=MOLT)
     with pytest.raises(
         CheckpointError, match=r"\.metadata refers to (io|builtins)\.open, which DCP .* refusing"

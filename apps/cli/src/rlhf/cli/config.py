@@ -8,6 +8,7 @@ import dataclasses
 import math
 import pathlib
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rlhf.algos import AlgoConfig
 from rlhf.cli.nodes import NodeSpec, NodeSpecError
@@ -400,7 +401,14 @@ class CkptConfig:
     Attributes:
         save_steps: Save every this many steps; 0 saves only at the end.
         keep: Keep this many newest checkpoints.
-        load_enable: Resume from the newest complete checkpoint in the run directory.
+        load_enable: ``True``: resume from the newest checkpoint in the run directory (none
+            there, or a damaged one, is an error naming what to do); ``auto``: resume from
+            the newest intact checkpoint if there is one (damaged newer ones are skipped and
+            named), else start a new run; ``False``: a new run.
+        allow_config_change: Flags a resume may change although the checkpoint was written
+            with other values (e.g. ``rollout.batch_size``), comma-separated; their meaning for
+            the run changes with them (the prompt position and the schedule were counted in
+            the old values).
         export_hf: Export the final policy as a transformers checkpoint (run_dir/final; with
             ``--actor.optimizer.ema_decay``, its exponential moving average beside it in
             run_dir/final_ema).
@@ -408,8 +416,14 @@ class CkptConfig:
 
     save_steps: int = 0
     keep: int = 2
-    load_enable: bool = False
+    load_enable: bool | Literal["auto"] = False
+    allow_config_change: str = ""
     export_hf: bool = True
+
+    @property
+    def allowed_changes(self) -> set[str]:
+        """``allow_config_change`` as flag names without dashes."""
+        return {f.strip().lstrip("-") for f in self.allow_config_change.split(",") if f.strip()}
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,20 @@
-"""What ``--ckpt.load_enable`` resumes from, checked before anything starts: the newest
-complete checkpoint under ``run_dir/checkpoints`` (none: a new run, said so), refused when its
-step already reaches ``--train.num_steps`` or when the run's batch shape differs from the one it
-was written with (the prompt sampler's position and the optimizer schedule would no longer
-mean the same)."""
+"""What ``--ckpt.load_enable`` resumes from, checked before anything starts.
+
+`pick_checkpoint` chooses the checkpoint under ``run_dir/checkpoints``: with ``True`` the newest
+one, which must exist and be intact (`rlhf.learner.verify_checkpoint` against its manifest);
+with ``auto`` the newest intact one, or none (a new run). `check_resume` then refuses one whose
+step already reaches ``--train.num_steps`` or whose batch shape differs from the run's (the
+prompt sampler's position and the optimizer schedule would no longer mean the same), unless
+``--ckpt.allow_config_change`` names the flags that changed."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Collection, Mapping
 
-from rlhf.cli.config import ConfigError, RLConfig
-from rlhf.learner import CheckpointError, latest_checkpoint
+from rlhf.cli.config import CkptConfig, ConfigError, RLConfig
+from rlhf.learner import CheckpointError, latest_checkpoint, latest_intact_checkpoint
 
 SHAPE = (
     "rollout.batch_size",
@@ -30,37 +34,87 @@ def run_shape(config: RLConfig) -> dict[str, int]:
     return out
 
 
-def check_resume(config: RLConfig, root: pathlib.Path) -> str:
-    """One line for the plan: where the run resumes from.
+def pick_checkpoint(root: pathlib.Path, ckpt: CkptConfig) -> tuple[pathlib.Path | None, str]:
+    """The checkpoint ``--ckpt.load_enable`` resumes from (None: a new run) and a note on the
+    damaged ones passed over.
 
     Raises:
-        ConfigError: listing what keeps the checkpoint from continuing this run.
-        CheckpointError: a checkpoint whose trainer state does not read.
+        ConfigError: ``True`` with no checkpoint under ``root``, or with a damaged newest one.
     """
-    latest = latest_checkpoint(root)
-    if latest is None:
-        return f"no checkpoint under {root}: starting at step 0 (a new run)"
-    try:
-        state = json.loads((latest / "trainer_state.json").read_text())
-        step = int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{latest}/trainer_state.json does not read: {exc!r}") from None
-    problems = []
-    if step >= config.train.num_steps:
-        problems.append(
-            f"{latest.name} is at step {step}: --train.num_steps {config.train.num_steps} is "
-            "done already; raise --train.num_steps to train further"
+    intact, damaged = latest_intact_checkpoint(root)
+    passed = "; ".join(f"{p.name} is damaged ({problems[0]})" for p, problems in damaged)
+    if ckpt.load_enable == "auto":
+        return intact, (f"{passed}; " if passed else "")
+    if latest_checkpoint(root) is None:
+        raise ConfigError(
+            f"--ckpt.load_enable True: no checkpoint under {root} (a new --run_dir, or a "
+            "mistyped one?); start without --ckpt.load_enable, or use --ckpt.load_enable auto "
+            "to resume when a checkpoint exists and start anew when none does"
         )
-    saved = state.get("shape", {})  # checkpoints from before the shape was recorded: unchecked
-    for flag, value in run_shape(config).items():
-        if flag in saved and saved[flag] != value:
-            problems.append(
-                f"--{flag} is {value} but {latest.name} was written with {saved[flag]}: resume "
-                "with the same value, or start a new --run_dir"
-            )
+    if damaged:
+        offer = (
+            f"the newest intact one is {intact.name}: move the damaged ones aside, or use "
+            "--ckpt.load_enable auto to resume from it"
+            if intact
+            else "no intact checkpoint is left: start a new --run_dir"
+        )
+        raise ConfigError(f"--ckpt.load_enable: {passed}; {offer}")
+    return intact, ""
+
+
+def shape_problems(
+    saved: Mapping[str, int], ours: Mapping[str, int], *, name: str, allowed: Collection[str]
+) -> list[str]:
+    """One line per shape flag whose value differs from the checkpoint's (``name``), except
+    those ``--ckpt.allow_config_change`` lists (``allowed``)."""
+    return [
+        f"--{flag} is {value} but {name} was written with {saved[flag]}: resume with the same "
+        "value, start a new --run_dir, or accept the change with --ckpt.allow_config_change "
+        f"{flag}"
+        for flag, value in ours.items()
+        if flag in saved and saved[flag] != value and flag not in allowed
+    ]
+
+
+def raise_problems(problems: list[str]) -> None:
+    """One `ConfigError` for the resume's problems, if any."""
     if len(problems) == 1:
         raise ConfigError(f"--ckpt.load_enable: {problems[0]}")
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"--ckpt.load_enable: {len(problems)} problems:\n{listed}")
-    return f"from {latest} (step {step})"
+
+
+def check_resume(config: RLConfig, root: pathlib.Path) -> tuple[pathlib.Path | None, str]:
+    """The checkpoint to resume from (None: a new run) and one line for the plan.
+
+    Raises:
+        ConfigError: listing what keeps the checkpoint from continuing this run.
+        CheckpointError: a checkpoint whose trainer state does not read.
+    """
+    unknown = sorted(config.ckpt.allowed_changes - set(SHAPE))
+    if unknown:
+        raise ConfigError(
+            f"--ckpt.allow_config_change names {', '.join(unknown)}, which a resume does not "
+            f"check; it checks {', '.join(SHAPE)}"
+        )
+    chosen, passed = pick_checkpoint(root, config.ckpt)
+    if chosen is None:
+        return None, f"{passed}no checkpoint under {root}: starting at step 0 (a new run)"
+    try:
+        state = json.loads((chosen / "trainer_state.json").read_text())
+        step = int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{chosen}/trainer_state.json does not read: {exc!r}") from None
+    problems = []
+    if step >= config.train.num_steps:
+        problems.append(
+            f"{chosen.name} is at step {step}: --train.num_steps {config.train.num_steps} is "
+            "done already; raise --train.num_steps to train further"
+        )
+    # checkpoints from before the shape was recorded: unchecked
+    saved = state.get("shape", {})
+    allowed = config.ckpt.allowed_changes
+    problems += shape_problems(saved, run_shape(config), name=chosen.name, allowed=allowed)
+    raise_problems(problems)
+    return chosen, f"{passed}from {chosen} (step {step})"

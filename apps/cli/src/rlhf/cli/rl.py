@@ -42,7 +42,7 @@ from rlhf.cli.sampling import Executors, evaluate, generate, staleness, to_sampl
 from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.sync import Transport, choose_transport, engine_sync_parts, open_transport, report
-from rlhf.learner import MicroBatching, latest_checkpoint, make_experience, ppo_update
+from rlhf.learner import MicroBatching, make_experience, ppo_update
 
 
 def run_rl(
@@ -71,8 +71,10 @@ def run_rl(
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
     for line in plan(config):
         echo(f"[plan] {line}")
+    resume_from = None
     if config.ckpt.load_enable:
-        echo(f"[plan] resume: {check_resume(config, run_dir / 'checkpoints')}")
+        resume_from, line = check_resume(config, run_dir / "checkpoints")
+        echo(f"[plan] resume: {line}")
     torch.manual_seed(config.train.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
     sampler, eval_prompts = prompt_sources(config.data, tokenizer, seed=config.train.seed)
@@ -137,7 +139,7 @@ def run_rl(
         )
         (run_dir / "placement.json").write_text(json.dumps(roles.report_placement(), indent=1))
         watch.lap("roles")
-        start, queue = driver.resume() if config.ckpt.load_enable else (0, [])
+        start, queue = driver.resume(resume_from) if resume_from is not None else (0, [])
         driver.progress = Progress(total=config.train.num_steps, start=start)
         asyncio.run(driver.run(start, queue))
         driver.enter("training", record=False)  # the learners' states back on the device
@@ -377,12 +379,9 @@ class RLDriver:
         self.enter("generation", record=False)
         self.echo(f"[ckpt] {path}")
 
-    def resume(self) -> tuple[int, list[Rollout]]:
-        """Restore the newest checkpoint, if any: the step to start at and the rollouts it
-        holds for later steps (async mode)."""
-        latest = latest_checkpoint(self.ckpt_root)
-        if latest is None:
-            return 0, []
+    def resume(self, latest: pathlib.Path) -> tuple[int, list[Rollout]]:
+        """Restore the checkpoint ``latest`` (`rlhf.cli.resume.check_resume`'s choice): the
+        step to start at and the rollouts it holds for later steps (async mode)."""
         state = self.roles.actor.load(str(latest))
         if self.roles.critic is not None:
             self.roles.critic.load(str(self.ckpt_root / "critic" / latest.name))

@@ -4,23 +4,48 @@ Rows are ``{prompt_key, chosen_key, rejected_key}``. A step takes ``batch_size``
 micro-batch holds whole pairs (chosen rows, then rejected rows). The reward model is a
 ``scalar`` role (one score at the last real token) and exports as a transformers checkpoint that
 ``--train.reward_model_path`` scores with, or ``--critic.model.path`` starts a critic from. DPO's
-reference log-probs come from the initial model, computed once before training.
+reference log-probs come from the initial model, computed once before training (a resumed
+run computes them before it loads its checkpoint, so they stay the initial model's).
+
+Loss options (`rlhf.algos.preference`): RM ``--loss_type`` sigmoid/log_exp with a per-pair
+margin from ``--margin_key``; DPO ``--loss_type`` sigmoid (DPO, arXiv 2305.18290) with cDPO's
+``--label_smoothing`` or ipo (arXiv 2310.12036), ``--beta``, and an NLL term on the chosen
+responses (``--nll_loss_coef``, OpenRLHF's name). Checkpoints and ``--ckpt.load_enable``
+resume exactly (`rlhf.cli.trainer_state`); metrics also go to TensorBoard and W&B on request.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
-import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf.cli.backends import backend_factory, role_problems
-from rlhf.cli.config import ConfigError, PlanConfig, RayConfig, RoleConfig, absolute_path
+from rlhf.cli.config import (
+    CkptConfig,
+    ConfigError,
+    PlanConfig,
+    RayConfig,
+    RoleConfig,
+    absolute_path,
+)
 from rlhf.cli.data import read_rows
-from rlhf.cli.metrics import MetricsLog
+from rlhf.cli.trainer_state import (
+    SHAPE,
+    RowOrder,
+    check_resume,
+    open_trainer_sinks,
+    rows_crc32,
+    saves_at,
+    trainer_state,
+)
+
+if TYPE_CHECKING:
+    from rlhf.learner import Batch, Objective
 
 
 @dataclass(frozen=True)
@@ -34,6 +59,9 @@ class PreferenceConfig:
         prompt_key: Prompt field.
         chosen_key: Preferred response field.
         rejected_key: Dispreferred response field.
+        margin_key: RM only: a numeric pair field m; the loss asks the chosen reward to exceed
+            the rejected one by m (−logσ(r_c − r_r − m)). Unset: m = 0. Held-out pairs need
+            none.
         input_template: Format string for the prompt when there is no chat template.
         max_len: Truncate each side to this many tokens.
         batch_size: Pairs per optimizer step.
@@ -41,9 +69,23 @@ class PreferenceConfig:
         num_steps: Optimizer steps.
         beta: DPO's β.
         loss_type: RM: sigmoid or log_exp; DPO: sigmoid (dpo) or ipo.
-        label_smoothing: cDPO's ε.
+        label_smoothing: cDPO's ε in [0, 0.5) (DPO's sigmoid loss only).
+        nll_loss_coef: DPO only: weight of the chosen responses' token-mean NLL added to each
+            pair's loss (OpenRLHF's ``--nll_loss_coef``); 0: none.
         seed: Shuffling and initialisation seed.
         model: The model (``--model.model.path``) and its optimizer/engine.
+        ckpt: Checkpoints under ``run_dir/checkpoints`` (``--ckpt.save_steps``, always after
+            the last step), ``--ckpt.load_enable`` to resume from the newest one,
+            ``--ckpt.keep``, ``--ckpt.export_hf``.
+        use_tensorboard: Also write the metrics as TensorBoard events into this directory
+            (needs ``pip install 'rlhf-cli[tensorboard]'``); empty: JSONL only.
+        use_wandb: Also log to Weights & Biases (needs ``pip install 'rlhf-cli[wandb]'``;
+            credentials from ``wandb login`` or ``WANDB_API_KEY``; ``WANDB_MODE=offline``
+            keeps the run under ``run_dir/wandb``). A resumed run continues the same W&B run.
+        wandb_project: W&B project.
+        wandb_org: W&B entity (team or user); empty: the account's default.
+        wandb_group: W&B group of the run; empty: none.
+        wandb_run_name: W&B display name; empty: the run directory's name.
         ray: The Ray cluster (a local one, or one to join: ``--ray.address``).
         dry_run: Print the capacity plan from the model's config.json alone and exit (0 when
             it fits, 1 when not; `rlhf.cli.dry_run`); ``--dataset`` is not needed then.
@@ -56,6 +98,7 @@ class PreferenceConfig:
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    margin_key: str | None = None
     input_template: str | None = None
     max_len: int = 1024
     batch_size: int = 16
@@ -64,8 +107,16 @@ class PreferenceConfig:
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
+    nll_loss_coef: float = 0.0
     seed: int = 42
     model: RoleConfig = field(default_factory=RoleConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    use_tensorboard: str = ""
+    use_wandb: bool = False
+    wandb_project: str = "rlhf"
+    wandb_org: str = ""
+    wandb_group: str = ""
+    wandb_run_name: str = ""
     ray: RayConfig = field(default_factory=RayConfig)
     dry_run: bool = False
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -79,6 +130,8 @@ class PreferenceConfig:
             raise ConfigError("; ".join(self.plan.problems()))
         if min(self.batch_size, self.micro_batch_size, self.num_steps) < 1:
             raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
+        if self.ckpt.save_steps < 0:
+            raise ConfigError(f"--ckpt.save_steps must be >= 0, got {self.ckpt.save_steps}")
         problems = role_problems(self.model, flag="model")
         if problems:
             raise ConfigError("; ".join(problems))
@@ -93,11 +146,66 @@ class PreferenceConfig:
         """Tokens of one micro-batch at full length (the capacity plan's activations)."""
         return 2 * self.micro_batch_size * self.max_len
 
+    @property
+    def shape(self) -> dict[str, int]:
+        """What a checkpoint records and a resume keeps (`rlhf.cli.trainer_state.SHAPE`)."""
+        return {flag: int(getattr(self, flag)) for flag in SHAPE}
 
-def _pairs(path: str, config: PreferenceConfig, tokenizer: Any) -> list[tuple[Any, Any]]:
-    from rlhf.learner import preference_row
+    def loss_problems(self, kind: str) -> list[str]:
+        """The loss options that do not fit ``kind`` (rm or dpo), each naming its flag."""
+        from rlhf.algos import PREFERENCE_LOSSES, REWARD_MODEL_LOSSES
 
-    return [
+        losses = REWARD_MODEL_LOSSES if kind == "rm" else PREFERENCE_LOSSES
+        out = []
+        if self.loss_type not in losses:
+            out.append(
+                f"--loss_type {self.loss_type!r} is not a {kind} loss; choose one of: "
+                f"{', '.join(losses.names())}"
+            )
+        if kind == "rm":
+            unused = [
+                f"--{name}"
+                for name, default in (("label_smoothing", 0.0), ("nll_loss_coef", 0.0))
+                if getattr(self, name) != default
+            ]
+            if unused:
+                out.append(f"{' and '.join(unused)} apply to `rlhf train dpo` only")
+            return out
+        if self.margin_key is not None:
+            out.append("--margin_key applies to `rlhf train rm` only (a reward margin per pair)")
+        if not (math.isfinite(self.beta) and self.beta > 0):
+            out.append(f"--beta must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            out.append(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        elif (
+            self.label_smoothing
+            and self.loss_type in losses
+            and PREFERENCE_LOSSES.canonical(self.loss_type) != "sigmoid"
+        ):
+            out.append(
+                f"--label_smoothing (cDPO) applies to --loss_type sigmoid only, not "
+                f"{self.loss_type!r}; set it to 0"
+            )
+        if not (math.isfinite(self.nll_loss_coef) and self.nll_loss_coef >= 0):
+            out.append(f"--nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
+        return out
+
+
+def load_pairs(
+    path: str,
+    config: PreferenceConfig,
+    tokenizer: Any,
+    *,
+    pad_token_id: int,
+    margin_key: str | None = None,
+) -> Batch:
+    """The pairs of ``path`` as one batch: every chosen row, then every rejected row, with
+    ``loss_mask`` on the responses and, with ``margin_key``, each pair's ``margin`` on both
+    of its rows (a `DataError` names a row whose margin is not a finite number)."""
+    from rlhf.learner import DataError, collate, preference_row
+
+    rows = read_rows(path)
+    pairs = [
         preference_row(
             row,
             i,
@@ -108,22 +216,54 @@ def _pairs(path: str, config: PreferenceConfig, tokenizer: Any) -> list[tuple[An
             input_template=config.input_template,
             max_len=config.max_len,
         )
-        for i, row in enumerate(read_rows(path))
+        for i, row in enumerate(rows)
     ]
-
-
-def _batch(pairs: list[tuple[Any, Any]], pad: int) -> Any:
-    from rlhf.learner import collate
-
-    rows = [c for c, _ in pairs] + [r for _, r in pairs]
+    margins = []
+    for i, row in enumerate(rows if margin_key is not None else []):
+        value = row.get(str(margin_key))
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise DataError(
+                f"row {i} of {path}: --margin_key {margin_key!r} must name a finite number, "
+                f"got {value!r}"
+            )
+        margins.append(float(value))
+    token_rows = [c for c, _ in pairs] + [r for _, r in pairs]
     return collate(
-        [r.input_ids for r in rows],
-        pad_token_id=pad,
-        per_token={"loss_mask": [r.loss_mask for r in rows]},
+        [r.input_ids for r in token_rows],
+        pad_token_id=pad_token_id,
+        per_token={"loss_mask": [r.loss_mask for r in token_rows]},
+        per_sequence={"margin": margins + margins} if margin_key is not None else None,
     )
 
 
-def _pair_chunks(batch: Any, pairs_per_micro: int) -> list[Any]:
+def preference_step(
+    train: Batch, pairs: Sequence[int], *, config: PreferenceConfig, kind: str
+) -> tuple[list[Batch], Objective]:
+    """One optimizer step's work: the micro-batches of ``pairs`` (indices into ``train``, a
+    `load_pairs` batch), each holding whole pairs, and the objective of ``kind``."""
+    from rlhf.learner import DPOObjective, RewardModelObjective
+
+    n = train.size // 2
+    batch = train.select([*pairs, *(n + i for i in pairs)])
+    objective: Objective = (
+        RewardModelObjective(normalizer=float(len(pairs)), loss_type=config.loss_type)
+        if kind == "rm"
+        else DPOObjective(
+            normalizer=float(len(pairs)),
+            beta=config.beta,
+            loss_type=config.loss_type,
+            label_smoothing=config.label_smoothing,
+            nll_coef=config.nll_loss_coef,
+        )
+    )
+    return _pair_chunks(batch, config.micro_batch_size), objective
+
+
+def _pair_chunks(batch: Batch, pairs_per_micro: int) -> list[Batch]:
     """Micro-batches of whole pairs: rows ``i`` and ``n + i`` stay together, chosen first."""
     n = batch.size // 2
     chunks = []
@@ -133,55 +273,84 @@ def _pair_chunks(batch: Any, pairs_per_micro: int) -> list[Any]:
     return chunks
 
 
+def _accuracy(group: Any, held: Any, *, kind: str, micro: Any) -> float:
+    """Held-out pair accuracy: the chosen row scored higher (RM), or its implicit reward
+    log π − log π_ref higher (DPO)."""
+    from rlhf.learner import per_sequence, sequence_logps, sequence_scores_of
+
+    values = per_sequence(
+        group, held, sequence_scores_of if kind == "rm" else sequence_logps, micro
+    )
+    if kind == "dpo":
+        values = values - held["ref_logps"]
+    n = held.size // 2
+    return float((values[:n] > values[n:]).float().mean())
+
+
 def run_preference(
     config: PreferenceConfig, *, kind: str, echo: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Train a reward model (``kind="rm"``) or a DPO policy (``kind="dpo"``); export it to
     ``run_dir/final``. Returns held-out pair accuracy before and after when an eval set is
-    given (RM: chosen scored higher; DPO: chosen's implicit reward higher)."""
+    given (RM: chosen scored higher; DPO: chosen's implicit reward higher). With
+    ``--ckpt.load_enable`` the newest checkpoint is checked before anything starts and the
+    run continues from it."""
     from transformers import AutoTokenizer
 
     from rlhf.cli.cluster import start_ray
     from rlhf.cli.placement import record_placement, role_strategies
-    from rlhf.learner import (
-        DPOObjective,
-        LearnerGroup,
-        MicroBatching,
-        RewardModelObjective,
-        per_sequence,
-        sequence_logps,
-        sequence_scores_of,
-    )
+    from rlhf.learner import LearnerGroup, MicroBatching, per_sequence, sequence_logps
 
     if kind not in ("rm", "dpo"):
         raise ValueError(f"kind must be rm or dpo, got {kind!r}")
     config = config.validate()
+    problems = config.loss_problems(kind)
+    if problems:
+        raise ConfigError("; ".join(problems))
     run_dir = pathlib.Path(config.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    resume = None
+    if config.ckpt.load_enable:
+        resume, line = check_resume(
+            ckpt_root,
+            command=kind,
+            num_steps=config.num_steps,
+            shape=config.shape,
+            ckpt=config.ckpt,
+        )
+        echo(f"[plan] resume: {line}")
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {"kind": kind, **dataclasses.asdict(config)}
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
     tokenizer = AutoTokenizer.from_pretrained(config.model.model.path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train = _batch(_pairs(config.dataset, config, tokenizer), pad)
+    train = load_pairs(
+        config.dataset, config, tokenizer, pad_token_id=pad, margin_key=config.margin_key
+    )
     held = (
-        _batch(_pairs(config.eval_dataset, config, tokenizer), pad) if config.eval_dataset else None
+        load_pairs(config.eval_dataset, config, tokenizer, pad_token_id=pad)
+        if config.eval_dataset
+        else None
     )
-    gpu = start_ray(address=config.ray.address).gpu
-    role = config.model
-    group = LearnerGroup(
-        num_ranks=role.num_ranks,
-        num_cpus_per_rank=role.num_cpus_per_rank,
-        num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
-        scheduling=role_strategies(role, flag="--model.node"),
-    )
-    micro = MicroBatching(max_rows=2 * config.micro_batch_size)
-    fn = sequence_scores_of if kind == "rm" else sequence_logps
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    rng = random.Random(config.seed)
     n_train = train.size // 2
-    order: list[int] = []
+    order = RowOrder(n_train, seed=config.seed)
+    if resume is not None:
+        order.load_state_dict(resume.state["data"], checkpoint=resume.path.name)
+    log = open_trainer_sinks(
+        config, run_dir=run_dir, run_config=resolved, resume=resume is not None
+    )
+    role = config.model
+    micro = MicroBatching(max_rows=2 * config.micro_batch_size)
+    group = None
     result: dict[str, Any] = {}
     try:
+        gpu = start_ray(address=config.ray.address).gpu
+        group = LearnerGroup(
+            num_ranks=role.num_ranks,
+            num_cpus_per_rank=role.num_cpus_per_rank,
+            num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+            scheduling=role_strategies(role, flag="--model.node"),
+        )
         learner = role.with_model(kind="scalar" if kind == "rm" else "causal_lm").learner(
             seed=config.seed, total_steps=config.num_steps
         )
@@ -191,42 +360,36 @@ def run_preference(
             train.fields["ref_logps"] = per_sequence(group, train, sequence_logps, micro)
             if held is not None:
                 held.fields["ref_logps"] = per_sequence(group, held, sequence_logps, micro)
-
-        def accuracy() -> float:
-            assert held is not None
-            values = per_sequence(group, held, fn, micro)
-            if kind == "dpo":
-                values = values - held["ref_logps"]
-            n = held.size // 2
-            return float((values[:n] > values[n:]).float().mean())
-
-        if held is not None:
-            result["eval_accuracy_start"] = accuracy()
-        for step in range(1, config.num_steps + 1):
-            while len(order) < config.batch_size:
-                epoch = list(range(n_train))
-                rng.shuffle(epoch)
-                order += epoch
-            picked, order = order[: config.batch_size], order[config.batch_size :]
-            batch = train.select([*picked, *(n_train + i for i in picked)])
-            objective = (
-                RewardModelObjective(normalizer=float(len(picked)), loss_type=config.loss_type)
-                if kind == "rm"
-                else DPOObjective(
-                    normalizer=float(len(picked)),
-                    beta=config.beta,
-                    loss_type=config.loss_type,
-                    label_smoothing=config.label_smoothing,
-                )
-            )
-            out = group.train_micro_batches(_pair_chunks(batch, config.micro_batch_size), objective)
+        if held is not None:  # of the initial model, also when resuming
+            result["eval_accuracy_start"] = _accuracy(group, held, kind=kind, micro=micro)
+        start = 0
+        if resume is not None:
+            group.load(str(resume.path))
+            start = resume.step
+            echo(f"[resume] from {resume.path} at step {start}")
+        for step in range(start + 1, config.num_steps + 1):
+            picked = order.take(config.batch_size)
+            micro_batches, objective = preference_step(train, picked, config=config, kind=kind)
+            out = group.train_micro_batches(micro_batches, objective)
+            # ``loss`` is the step's loss; the objective's own ``<kind>/loss`` is a micro-batch
+            # share averaged over micro-batches, so the step's loss takes its name.
+            metrics = {k if "/" in k else f"{kind}/{k}": v for k, v in out.items() if k != "loss"}
             log.write(
-                {"step": step, **{k if "/" in k else f"{kind}/{k}": v for k, v in out.items()}}
+                {
+                    "step": step,
+                    **metrics,
+                    f"{kind}/loss": out["loss"],
+                    "data/rows_crc32": rows_crc32(picked),
+                }
             )
-            if step == 1 or step % 50 == 0 or step == config.num_steps:
+            if step == start + 1 or step % 50 == 0 or step == config.num_steps:
                 echo(f"[{kind}] step {step} loss {out['loss']:.4f}")
+            if saves_at(step, ckpt=config.ckpt, num_steps=config.num_steps):
+                state = trainer_state(command=kind, step=step, shape=config.shape, order=order)
+                path = group.save(str(ckpt_root), step, client_state=state, keep=config.ckpt.keep)
+                echo(f"[ckpt] {path}")
         if held is not None:
-            result["eval_accuracy_end"] = accuracy()
+            result["eval_accuracy_end"] = _accuracy(group, held, kind=kind, micro=micro)
             log.write(
                 {"step": config.num_steps, f"{kind}/eval_accuracy": result["eval_accuracy_end"]}
             )
@@ -234,8 +397,11 @@ def run_preference(
                 f"[{kind}] held-out pair accuracy {result['eval_accuracy_start']:.3f} -> "
                 f"{result['eval_accuracy_end']:.3f}"
             )
-        group.export_hf(str(run_dir / "final"))
-        tokenizer.save_pretrained(run_dir / "final")
+        if config.ckpt.export_hf:
+            group.export_hf(str(run_dir / "final"))
+            tokenizer.save_pretrained(run_dir / "final")
     finally:
-        group.shutdown()
+        log.close()
+        if group is not None:
+            group.shutdown()
     return {**result, "model": str(run_dir / "final")}

@@ -1,19 +1,38 @@
-"""``rlhf train sft``: supervised fine-tuning on prompt/response or chat rows."""
+"""``rlhf train sft``: supervised fine-tuning on prompt/response or chat rows.
+
+Checkpoints and ``--ckpt.load_enable`` resume exactly (same rows, same optimizer schedule;
+`rlhf.cli.trainer_state`); metrics go to ``run_dir/metrics.jsonl`` and, on request, TensorBoard
+and W&B.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.cli.backends import backend_factory, role_problems
-from rlhf.cli.config import ConfigError, PlanConfig, RayConfig, RoleConfig, absolute_path
+from rlhf.cli.config import (
+    CkptConfig,
+    ConfigError,
+    PlanConfig,
+    RayConfig,
+    RoleConfig,
+    absolute_path,
+)
 from rlhf.cli.data import read_rows
-from rlhf.cli.metrics import MetricsLog
+from rlhf.cli.trainer_state import (
+    SHAPE,
+    RowOrder,
+    check_resume,
+    open_trainer_sinks,
+    rows_crc32,
+    saves_at,
+    trainer_state,
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +54,18 @@ class SFTConfig:
         num_steps: Optimizer steps (rows are reshuffled every epoch).
         seed: Shuffling and initialisation seed.
         model: The model to train (``--model.model.path``) and its optimizer/engine.
+        ckpt: Checkpoints under ``run_dir/checkpoints`` (``--ckpt.save_steps``, always after
+            the last step), ``--ckpt.load_enable`` to resume from the newest one,
+            ``--ckpt.keep``, ``--ckpt.export_hf``.
+        use_tensorboard: Also write the metrics as TensorBoard events into this directory
+            (needs ``pip install 'rlhf-cli[tensorboard]'``); empty: JSONL only.
+        use_wandb: Also log to Weights & Biases (needs ``pip install 'rlhf-cli[wandb]'``;
+            credentials from ``wandb login`` or ``WANDB_API_KEY``; ``WANDB_MODE=offline``
+            keeps the run under ``run_dir/wandb``). A resumed run continues the same W&B run.
+        wandb_project: W&B project.
+        wandb_org: W&B entity (team or user); empty: the account's default.
+        wandb_group: W&B group of the run; empty: none.
+        wandb_run_name: W&B display name; empty: the run directory's name.
         ray: The Ray cluster (a local one, or one to join: ``--ray.address``).
         dry_run: Print the capacity plan from the model's config.json alone and exit (0 when
             it fits, 1 when not; `rlhf.cli.dry_run`); ``--dataset`` is not needed then.
@@ -54,6 +85,13 @@ class SFTConfig:
     num_steps: int = 100
     seed: int = 42
     model: RoleConfig = field(default_factory=RoleConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    use_tensorboard: str = ""
+    use_wandb: bool = False
+    wandb_project: str = "rlhf"
+    wandb_org: str = ""
+    wandb_group: str = ""
+    wandb_run_name: str = ""
     ray: RayConfig = field(default_factory=RayConfig)
     dry_run: bool = False
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -67,6 +105,8 @@ class SFTConfig:
             raise ConfigError("; ".join(self.plan.problems()))
         if self.batch_size < 1 or self.micro_batch_size < 1 or self.num_steps < 1:
             raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
+        if self.ckpt.save_steps < 0:
+            raise ConfigError(f"--ckpt.save_steps must be >= 0, got {self.ckpt.save_steps}")
         problems = role_problems(self.model, flag="model")
         if problems:
             raise ConfigError("; ".join(problems))
@@ -81,9 +121,16 @@ class SFTConfig:
         """Tokens of one micro-batch at full length (the capacity plan's activations)."""
         return self.micro_batch_size * self.max_len
 
+    @property
+    def shape(self) -> dict[str, int]:
+        """What a checkpoint records and a resume keeps (`rlhf.cli.trainer_state.SHAPE`)."""
+        return {flag: int(getattr(self, flag)) for flag in SHAPE}
+
 
 def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train, export ``run_dir/final``; returns the first and last losses."""
+    """Train, export ``run_dir/final``; returns the first and last losses of this process's
+    steps. With ``--ckpt.load_enable`` the newest checkpoint is checked before anything
+    starts and the run continues from it."""
     from transformers import AutoTokenizer
 
     from rlhf.cli.cluster import start_ray
@@ -92,8 +139,20 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
 
     config = config.validate()
     run_dir = pathlib.Path(config.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    resume = None
+    if config.ckpt.load_enable:
+        resume, line = check_resume(
+            ckpt_root,
+            command="sft",
+            num_steps=config.num_steps,
+            shape=config.shape,
+            ckpt=config.ckpt,
+        )
+        echo(f"[plan] resume: {line}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+    resolved = dataclasses.asdict(config)
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
     tokenizer = AutoTokenizer.from_pretrained(config.model.model.path)
     rows = [
         sft_row(
@@ -109,31 +168,36 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
         )
         for i, row in enumerate(read_rows(config.dataset))
     ]
-    gpu = start_ray(address=config.ray.address).gpu
-    role = config.model
-    group = LearnerGroup(
-        num_ranks=role.num_ranks,
-        num_cpus_per_rank=role.num_cpus_per_rank,
-        num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
-        scheduling=role_strategies(role, flag="--model.node"),
+    order = RowOrder(len(rows), seed=config.seed)
+    if resume is not None:
+        order.load_state_dict(resume.state["data"], checkpoint=resume.path.name)
+    log = open_trainer_sinks(
+        config, run_dir=run_dir, run_config=resolved, resume=resume is not None
     )
-    log = MetricsLog(run_dir / "metrics.jsonl")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    order: list[int] = []
-    rng = random.Random(config.seed)
+    role = config.model
+    group = None
     losses = []
     try:
+        gpu = start_ray(address=config.ray.address).gpu
+        group = LearnerGroup(
+            num_ranks=role.num_ranks,
+            num_cpus_per_rank=role.num_cpus_per_rank,
+            num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+            scheduling=role_strategies(role, flag="--model.node"),
+        )
         group.build(
             role.learner(seed=config.seed, total_steps=config.num_steps),
             backend=backend_factory(role),
         )
         record_placement(group, role, run_dir / "placement.json")
-        for step in range(1, config.num_steps + 1):
-            while len(order) < config.batch_size:
-                epoch = list(range(len(rows)))
-                rng.shuffle(epoch)
-                order += epoch
-            picked, order = order[: config.batch_size], order[config.batch_size :]
+        start = 0
+        if resume is not None:
+            group.load(str(resume.path))
+            start = resume.step
+            echo(f"[resume] from {resume.path} at step {start}")
+        for step in range(start + 1, config.num_steps + 1):
+            picked = order.take(config.batch_size)
             batch = collate(
                 [rows[i].input_ids for i in picked],
                 pad_token_id=pad,
@@ -142,11 +206,25 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
             out = group.train_step(batch, objective, max_rows=config.micro_batch_size)
             losses.append(out["loss"])
-            log.write({"step": step, "sft/loss": out["loss"], "lr": out["lr"]})
-            if step == 1 or step % 50 == 0 or step == config.num_steps:
+            log.write(
+                {
+                    "step": step,
+                    "sft/loss": out["loss"],
+                    "lr": out["lr"],
+                    "data/rows_crc32": rows_crc32(picked),
+                }
+            )
+            if step == start + 1 or step % 50 == 0 or step == config.num_steps:
                 echo(f"[sft] step {step} loss {out['loss']:.4f}")
-        group.export_hf(str(run_dir / "final"))
-        tokenizer.save_pretrained(run_dir / "final")
+            if saves_at(step, ckpt=config.ckpt, num_steps=config.num_steps):
+                state = trainer_state(command="sft", step=step, shape=config.shape, order=order)
+                path = group.save(str(ckpt_root), step, client_state=state, keep=config.ckpt.keep)
+                echo(f"[ckpt] {path}")
+        if config.ckpt.export_hf:
+            group.export_hf(str(run_dir / "final"))
+            tokenizer.save_pretrained(run_dir / "final")
     finally:
-        group.shutdown()
+        log.close()
+        if group is not None:
+            group.shutdown()
     return {"first_loss": losses[0], "last_loss": losses[-1], "model": str(run_dir / "final")}

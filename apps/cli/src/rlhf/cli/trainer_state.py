@@ -1,0 +1,241 @@
+"""Checkpoints, exact resume and metric sinks of ``rlhf train sft|rm|dpo``.
+
+A checkpoint is `rlhf.learner`'s (``run_dir/checkpoints/step-XXXXXXXX/``, written into a
+staging directory and renamed into place whole, ``COMPLETE`` last): the learner's states as
+`LearnerGroup.save` writes them (model, optimizer, scheduler, each rank's RNG) and the run's
+own in ``trainer_state.json`` (`trainer_state`): the step, the command, the batch shape and
+the data order (`RowOrder`), so a resumed run trains on exactly the rows the uninterrupted run
+would have.
+
+`check_resume` picks the checkpoint and reads its ``trainer_state.json`` before anything starts
+(no tokenizer, no Ray) with the RL command's rules (`rlhf.cli.resume`: ``--ckpt.load_enable
+True|auto``, damaged checkpoints, ``--ckpt.allow_config_change``) and refuses, naming the flag,
+a run that is done already or whose batch shape differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import random
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from rlhf.cli.config import CkptConfig, ConfigError, TrainConfig
+from rlhf.cli.metrics import Sinks, open_sinks
+from rlhf.cli.resume import pick_checkpoint, raise_problems, shape_problems
+from rlhf.learner import CheckpointError
+
+SHAPE = ("batch_size",)
+"""The flags a checkpoint records (``trainer_state.json``'s ``shape``) and a resume must keep:
+``batch_size`` sets which rows make a step and what the optimizer schedule counts.
+``micro_batch_size`` is left out: the losses are normalised over the whole step, so it splits
+the same sums differently (float rounding only) and may change on resume (e.g. after running
+out of memory)."""
+
+
+class RowOrder:
+    """The order training rows are drawn in: each epoch a fresh shuffle of all rows (one
+    ``random.Random(seed)``), a step's rows taken in turn across epoch boundaries.
+
+    The state (`state_dict`) is the RNG state the current epoch was shuffled from and the
+    position in it: the rows still to come are that permutation's tail, shuffled again on
+    `load_state_dict`, so a checkpoint holds 625 integers rather than a list as long as the
+    dataset.
+
+    Args:
+        n_rows: Rows (SFT rows, preference pairs) to draw from, >= 1.
+        seed: Seed of the shuffles.
+    """
+
+    def __init__(self, n_rows: int, *, seed: int) -> None:
+        if n_rows < 1:
+            raise ConfigError("--dataset has no rows to train on")
+        self.n_rows = n_rows
+        self.rng = random.Random(seed)
+        self.epochs = 0
+        self.epoch_rng: tuple[Any, ...] = self.rng.getstate()
+        self.permutation: list[int] = []
+        self.position = 0
+
+    def _shuffle(self) -> None:
+        self.epoch_rng = self.rng.getstate()
+        self.permutation = list(range(self.n_rows))
+        self.rng.shuffle(self.permutation)
+        self.position = 0
+
+    def take(self, count: int) -> list[int]:
+        """The next ``count`` row indices."""
+        out: list[int] = []
+        while len(out) < count:
+            if self.position == len(self.permutation):
+                self._shuffle()
+                self.epochs += 1
+            chunk = self.permutation[self.position : self.position + count - len(out)]
+            out += chunk
+            self.position += len(chunk)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self.epoch_rng
+        return {
+            "rows": self.n_rows,
+            "epochs": self.epochs,
+            "position": self.position,
+            "epoch_rng": [version, list(internal), gauss],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, checkpoint: str) -> None:
+        """Continue from ``state``.
+
+        Raises:
+            ConfigError: when the dataset has another number of rows than the checkpoint's
+                (its positions would point at other rows), naming ``--dataset``.
+            CheckpointError: a state that does not read.
+        """
+        try:
+            rows, epochs, position = (int(state[k]) for k in ("rows", "epochs", "position"))
+            version, internal, gauss = state["epoch_rng"]
+            self.rng.setstate((version, tuple(internal), gauss))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"{checkpoint}/trainer_state.json: its data order does not read: {exc!r}"
+            ) from None
+        if rows != self.n_rows:
+            raise ConfigError(
+                f"--ckpt.load_enable: --dataset has {self.n_rows} rows but {checkpoint} was "
+                f"written for {rows}: resume with the same data, or start a new --run_dir"
+            )
+        self.epoch_rng = self.rng.getstate()
+        self.epochs = epochs
+        self.permutation, self.position = [], 0
+        if self.epochs:
+            self._shuffle()  # the same permutation; the RNG ends where the run's did
+            self.position = position
+
+
+def rows_crc32(rows: Sequence[int]) -> int:
+    """A step's row indices as one number (``data/rows_crc32``: which rows made the step)."""
+    return zlib.crc32(json.dumps(list(rows)).encode())
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from.
+
+    Attributes:
+        path: Its directory.
+        step: The steps it has done.
+        state: Its ``trainer_state.json``.
+    """
+
+    path: pathlib.Path
+    step: int
+    state: dict[str, Any]
+
+
+def check_resume(
+    root: pathlib.Path,
+    *,
+    command: str,
+    num_steps: int,
+    shape: Mapping[str, int],
+    ckpt: CkptConfig,
+) -> tuple[ResumePoint | None, str]:
+    """The checkpoint ``--ckpt.load_enable`` resumes from (None: a new run) and one line for
+    the console saying where the run starts. The checkpoint is chosen as the RL command
+    chooses it (`rlhf.cli.resume.pick_checkpoint`: ``True`` needs an intact one, ``auto``
+    takes the newest intact one or none) and refused on the same grounds, with this
+    command's flags.
+
+    Raises:
+        ConfigError: listing what keeps the checkpoint from continuing this run (none there
+            under ``True``, a damaged one, written by another command, done already at
+            ``--num_steps``, another `SHAPE` that ``--ckpt.allow_config_change`` does not
+            accept), each naming its flag.
+        CheckpointError: a checkpoint whose trainer state does not read.
+    """
+    unknown = sorted(ckpt.allowed_changes - set(shape))
+    if unknown:
+        raise ConfigError(
+            f"--ckpt.allow_config_change names {', '.join(unknown)}, which a resume does not "
+            f"check; it checks {', '.join(shape)}"
+        )
+    chosen, passed = pick_checkpoint(root, ckpt)
+    if chosen is None:
+        return None, f"{passed}no checkpoint under {root}: starting at step 0 (a new run)"
+    try:
+        state = json.loads((chosen / "trainer_state.json").read_text())
+        step = int(state["step"])
+        written_by, saved = str(state["command"]), dict(state["shape"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{chosen}/trainer_state.json does not read: {exc!r}") from None
+    problems = []
+    if written_by != command:
+        problems.append(
+            f"{chosen.name} was written by `rlhf train {written_by}`, not `rlhf train "
+            f"{command}`: resume it with that command, or start a new --run_dir"
+        )
+    if step >= num_steps:
+        problems.append(
+            f"{chosen.name} is at step {step}: --num_steps {num_steps} is done already; raise "
+            "--num_steps to train further"
+        )
+    problems += shape_problems(saved, shape, name=chosen.name, allowed=ckpt.allowed_changes)
+    raise_problems(problems)
+    return ResumePoint(chosen, step, state), f"{passed}from {chosen} (step {step})"
+
+
+def trainer_state(
+    *, command: str, step: int, shape: Mapping[str, int], order: RowOrder
+) -> dict[str, Any]:
+    """What a checkpoint of ``step`` records besides the learner's states."""
+    return {"step": step, "command": command, "shape": dict(shape), "data": order.state_dict()}
+
+
+def saves_at(step: int, *, ckpt: CkptConfig, num_steps: int) -> bool:
+    """Whether the run checkpoints after ``step`` (1-based): every ``--ckpt.save_steps`` and
+    after the last step, as the RL command does."""
+    return bool(ckpt.save_steps and step % ckpt.save_steps == 0) or step == num_steps
+
+
+class SinkFlags(Protocol):
+    """The logging flags of a trainer config (the leaf names of the RL command's
+    ``--train.use_tensorboard`` etc., top level in ``rlhf train sft|rm|dpo``)."""
+
+    @property
+    def use_tensorboard(self) -> str: ...
+    @property
+    def use_wandb(self) -> bool: ...
+    @property
+    def wandb_project(self) -> str: ...
+    @property
+    def wandb_org(self) -> str: ...
+    @property
+    def wandb_group(self) -> str: ...
+    @property
+    def wandb_run_name(self) -> str: ...
+
+
+SINK_FLAGS = (
+    "use_tensorboard",
+    "use_wandb",
+    "wandb_project",
+    "wandb_org",
+    "wandb_group",
+    "wandb_run_name",
+)
+
+
+def open_trainer_sinks(
+    flags: SinkFlags, *, run_dir: pathlib.Path, run_config: Mapping[str, Any], resume: bool
+) -> Sinks:
+    """`rlhf.cli.metrics.open_sinks` for a config with top-level logging flags: the same
+    sinks, and errors that name ``--use_tensorboard`` / ``--use_wandb``."""
+    train = TrainConfig(**{name: getattr(flags, name) for name in SINK_FLAGS})
+    try:
+        return open_sinks(train, run_dir=run_dir, run_config=run_config, resume=resume)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("--train.use_", "--use_")) from None

@@ -84,8 +84,12 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
     extra = {
         # DAPO with its overlong filtering and a sequence-level rollout correction (tyro's
         # subcommand for the optional section, then its flags, at the end).
+        # Its reward (`REFILL_REWARD`) makes every group of a step's first draw uniform, so
+        # dynamic filtering drops all 4 and the refill draws 4 more (no evaluation: it would
+        # call the reward too).
         "dapo": [
             "--algo.overlong_buffer_len", "2", "--algo.overlong_filtering", "True",
+            "--train.reward_func", str(_refill_reward(tmp_path)), "--eval.steps", "0",
             "algo.rollout_correction:rollout_correction_config",
             "--algo.rollout_correction.level", "sequence",
         ],
@@ -126,9 +130,12 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
         # after the overlong filtering.
         for r in steps:
             assert abs(r["rollout_correction/weight_mean"] - 1.0) < 0.07
-            assert "rollout/dropped_groups" in r
+            # Draw 1: all 4 groups score 1.0 (mean at the range's top): dropped; draw 2: every
+            # group holds 0 and 1 (mean 0.5): kept, the batch full again.
+            assert r["rollout/dropped_groups"] == 4.0 and r["rollout/samples"] == 16.0
+            assert r["reward/mean"] <= 0.5  # draw 2's rewards, less any overlong penalty
     evals = [r for r in rows if "eval/sort4/pass@1" in r]
-    assert [r["step"] for r in evals] == [0, 2]
+    assert [r["step"] for r in evals] == ([] if preset == "dapo" else [0, 2])
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["rollout"]["n_samples_per_prompt"] == 4
     if preset == "dr_grpo":  # L_max followed --rollout.max_new_tokens 6
@@ -137,6 +144,23 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
     assert (tmp_path / "curves.png").stat().st_size > 1000
     if preset == "grpo":
         _check_best_and_ema(assets["model"], tmp_path, evals)
+
+
+REFILL_REWARD = """
+CALLS = [0]
+
+def reward_func(queries, prompts, labels, **kwargs):
+    CALLS[0] += 1
+    if CALLS[0] % 2:  # a step's first draw: one score for every sample
+        return [1.0] * len(queries)
+    return [float(i % 2) for i in range(len(queries))]  # a group's 4 samples: 0, 1, 0, 1
+"""
+
+
+def _refill_reward(tmp_path):
+    path = tmp_path / "refill_reward.py"
+    path.write_text(REFILL_REWARD)
+    return path
 
 
 def _weights(path) -> dict:

@@ -118,6 +118,23 @@ def test_an_environment_step_that_never_returns_stops_the_run_at_its_deadline(as
     assert "Traceback" not in out.stderr
 
 
+def test_episodes_that_time_out_end_with_the_fallback_reward(assets, tmp_path) -> None:
+    """``--train.agent_failure_policy fallback``: every step() hangs, so every episode ends at
+    its deadline after the policy's first action, rewarded 0.25; the run trains on them."""
+    env = tmp_path / "hung_env.py"
+    env.write_text(HUNG_ENV)
+    out = rlhf("train", "rloo", *_train_args(assets, tmp_path / "run"),
+               "--train.agent_func_path", str(env), "--train.agent_step_timeout_s", "1",
+               "--train.agent_failure_policy", "fallback", "--train.agent_fallback_value", "0.25",
+               timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [r for r in _rows(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert (r["env/failed"], r["env/fallback"], r["env/skipped"]) == (16.0, 16.0, 0.0)
+        assert r["reward/mean"] == 0.25 and r["rollout/truncated_frac"] == 1.0
+
+
 def test_an_openai_client_agent_trains(assets, tmp_path) -> None:
     import shutil
 

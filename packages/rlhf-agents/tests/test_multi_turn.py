@@ -436,3 +436,52 @@ def test_turn_ends_must_name_one_action_token_per_turn() -> None:
     for bad in ((1,), (2, 3), (1, 4)):
         with pytest.raises(ValueError, match="turn_ends"):
             make(bad)
+
+
+FLAKY_ENV = """
+class Environment:
+    def reset(self, prompt, label):
+        self.label, self.turn = label, 0
+        if label == "broken at reset":
+            raise RuntimeError("no such task")
+    def step(self, action_text):
+        self.turn += 1
+        if self.label == "broken at step 2" and self.turn == 2:
+            raise RuntimeError("the sandbox crashed")
+        return {"feedback": "again", "reward": 0.25, "done": self.turn == 3}
+"""
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip", "fallback"])
+def test_failed_episodes_follow_the_failure_policy(tmp_path, tokenizer, policy) -> None:
+    from rlhf.agents import EnvironmentStepError, FailurePolicy
+
+    replies = [tokenizer.encode(t, add_special_tokens=False) for t in ("a", "b", "c")] * 3
+    ex = MultiTurnExecutor(
+        tokenizer=tokenizer,
+        generator=ScriptedGenerator([list(r) for r in replies]),
+        environments=env_file(tmp_path, FLAKY_ENV),
+        sampling=SamplingParams(max_new_tokens=4),
+        max_len=256,
+        max_turns=3,
+        policy=FailurePolicy(on_failure=policy, fallback_reward=-1.0),
+    )
+    prompts = [chat(tokenizer, "go")] * 3
+    labels = ["fine", "broken at step 2", "broken at reset"]
+    if policy == "raise":
+        with pytest.raises(EnvironmentStepError, match="sandbox crashed|no such task"):
+            run(ex, prompts, labels)
+        return
+    result = run(ex, prompts, labels)
+    by_prompt = {t.prompt_index: t for t in result.trajectories}
+    assert by_prompt[0].reward == 0.75 and not by_prompt[0].truncated  # 3 turns of 0.25
+    assert 2 not in by_prompt  # failed before the policy acted: nothing to train on
+    m = result.metrics
+    assert m["env/failed"] == 2.0
+    if policy == "skip":
+        assert sorted(by_prompt) == [0] and (m["env/skipped"], m["env/fallback"]) == (2.0, 0.0)
+        return
+    cut = by_prompt[1]  # ended after its second action, whose step() failed
+    assert (cut.reward, cut.turn_rewards, cut.truncated) == (-1.0, (-1.0,), True)
+    assert sum(cut.action_mask) == 2 and cut.turn_ends == (len(cut.token_ids) - 1,)
+    assert (m["env/skipped"], m["env/fallback"]) == (1.0, 1.0)

@@ -250,6 +250,12 @@ class TrainConfig:
         agent_step_timeout_s: Deadline of one environment ``reset()`` or ``step()`` call; past
             it the run stops naming the file, prompt, sample and turn (synchronous methods run
             on a thread of their own, so one that never returns cannot stall the run).
+        agent_failure_policy: What an episode whose environment fails (raises, passes
+            ``agent_step_timeout_s``, returns something malformed) becomes: ``raise`` (the run
+            stops naming it), ``skip`` (left out; its prompt group then drops out of the
+            step) or ``fallback`` (ended where it failed with ``agent_fallback_value`` as its
+            reward). ``env/failed``, ``env/skipped`` and ``env/fallback`` count them per step.
+        agent_fallback_value: The reward of a failed episode under ``fallback``.
         turn_credit: How an environment's per-turn rewards reach the tokens: ``episode`` (their
             sum on the episode's last action token) or ``per_turn`` (each turn's reward on that
             turn's last action token, so discounted returns and GAE credit each turn with the
@@ -306,6 +312,8 @@ class TrainConfig:
     agent_func_path: str = ""
     agent_max_turns: int = 4
     agent_step_timeout_s: float = 60.0
+    agent_failure_policy: str = "raise"
+    agent_fallback_value: float = 0.0
     turn_credit: str = "episode"
     async_enable: bool = False
     async_queue_size: int = 1
@@ -718,6 +726,15 @@ class RLConfig:
                 bool(self.eval.best_metric) and not (self.data.eval_data and self.eval.steps),
                 "--eval.best_metric compares evaluations: give --data.eval_data and "
                 "--eval.steps > 0",
+            ),
+            (
+                self.train.agent_failure_policy not in ("raise", "skip", "fallback"),
+                "--train.agent_failure_policy must be raise, skip or fallback, got "
+                f"{self.train.agent_failure_policy!r}",
+            ),
+            (
+                not math.isfinite(self.train.agent_fallback_value),
+                "--train.agent_fallback_value must be a finite number",
             ),
             (
                 self.train.turn_credit not in TURN_CREDIT,

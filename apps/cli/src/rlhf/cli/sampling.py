@@ -116,6 +116,7 @@ class Executors:
         self.agent_path = train.agent_func_path
         self.agent_max_turns = train.agent_max_turns
         self.agent_step_timeout_s = train.agent_step_timeout_s
+        self.agent_policy = (train.agent_failure_policy, train.agent_fallback_value)
         self.agent = agent_module(self.agent_path) if self.agent_path else None
         self._training: Any = None
 
@@ -153,7 +154,12 @@ class Executors:
         return self._training
 
     def _agent(self) -> Any:
-        from rlhf.agents import EnvironmentFactory, MultiTurnExecutor, OpenAIAgentExecutor
+        from rlhf.agents import (
+            EnvironmentFactory,
+            FailurePolicy,
+            MultiTurnExecutor,
+            OpenAIAgentExecutor,
+        )
 
         path, module = self.agent_path, self.agent
         common = {
@@ -170,6 +176,10 @@ class Executors:
                 environments=factory,
                 max_turns=self.agent_max_turns,
                 step_timeout_s=self.agent_step_timeout_s,
+                policy=FailurePolicy(
+                    on_failure=self.agent_policy[0],  # type: ignore[arg-type]
+                    fallback_reward=self.agent_policy[1],
+                ),
                 **common,
             )
         return OpenAIAgentExecutor(agent=module.agent, source=f"agent in {path}", **common)

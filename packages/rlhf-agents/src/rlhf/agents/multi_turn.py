@@ -23,6 +23,7 @@ from rlhf.agents.environments import (
     coerce_step_result,
     maybe_await,
 )
+from rlhf.agents.rewards import FailurePolicy
 from rlhf.agents.seeds import seeded
 from rlhf.agents.single_turn import ExecutorResult, batch_indices
 from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
@@ -45,6 +46,12 @@ class MultiTurnExecutor:
             fails with `EnvironmentStepError` (None: no deadline). Synchronous methods run on
             a daemon thread of their own, so a slow one does not hold up the other episodes
             and one that never returns cannot keep the process alive.
+        policy: What a failed episode (an `EnvironmentStepError`: the environment raised,
+            timed out or returned something malformed) becomes: ``raise`` (the batch fails),
+            ``skip`` (the episode is left out) or ``fallback`` (it ends where it failed, with
+            ``fallback_reward`` as its reward, truncated; one that failed before the policy's
+            first action is skipped). Counted per batch in ``env/failed``, ``env/skipped``
+            and ``env/fallback``.
     """
 
     def __init__(
@@ -58,7 +65,9 @@ class MultiTurnExecutor:
         max_turns: int,
         max_prompt_len: int | None = None,
         step_timeout_s: float | None = None,
+        policy: FailurePolicy | None = None,
     ) -> None:
+        self.policy = policy or FailurePolicy()
         if step_timeout_s is not None and not step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0 or None, got {step_timeout_s}")
         self.step_timeout_s = step_timeout_s
@@ -76,7 +85,13 @@ class MultiTurnExecutor:
         self.turns = ChatTurns(tokenizer)
 
     async def _episode(
-        self, prompt: str, label: Any, prompt_index: int, sample_index: int, seed: int | None
+        self,
+        prompt: str,
+        label: Any,
+        prompt_index: int,
+        sample_index: int,
+        seed: int | None,
+        progress: _Progress,
     ) -> Trajectory:
         where = f"{self.environments.source} (prompt {prompt_index}, sample {sample_index})"
         prompt_ids, _ = encode_prompt(self.tokenizer, prompt, max_prompt_len=self.max_prompt_len)
@@ -86,6 +101,7 @@ class MultiTurnExecutor:
         tokens, mask, logprobs = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids)
         turn_rewards: list[float] = []
         turn_ends: list[int] = []
+        progress.streams = (tokens, mask, logprobs, len(prompt_ids))  # appended to in place
         metrics: dict[str, float] = {}
         sampling = self.sampling
         env_seed = False  # the environment chose the seed of its turns (a sampling override)
@@ -152,6 +168,23 @@ class MultiTurnExecutor:
             weight_version=weight_version,
         )
 
+    async def _guarded(
+        self, prompt: str, label: Any, prompt_index: int, sample_index: int, seed: int | None
+    ) -> tuple[Trajectory | None, str]:
+        """An episode under the failure policy: ``(trajectory or None, "" | "skipped" |
+        "fallback")``."""
+        progress = _Progress()
+        try:
+            episode = await self._episode(prompt, label, prompt_index, sample_index, seed, progress)
+            return episode, ""
+        except EnvironmentStepError:
+            if self.policy.on_failure == "raise":
+                raise
+            if self.policy.on_failure == "fallback" and progress.acted:
+                reward = self.policy.fallback_reward
+                return progress.ended(reward, prompt_index, sample_index), "fallback"
+            return None, "skipped"
+
     async def _call(self, method: Any, *args: Any, what: str) -> Any:
         """An environment method under ``step_timeout_s``; its failures name ``what``."""
         run = (
@@ -189,13 +222,18 @@ class MultiTurnExecutor:
             n_samples_per_prompt=n_samples_per_prompt,
             prompt_indices=prompt_indices,
         )
-        episodes = await gather_or_cancel(
-            self._episode(prompts[p], labels[p], indices[p], s, seed)
+        outcomes = await gather_or_cancel(
+            self._guarded(prompts[p], labels[p], indices[p], s, seed)
             for p in range(len(prompts))
             for s in range(n_samples_per_prompt)
         )
+        episodes = [t for t, _ in outcomes if t is not None]
         n = max(len(episodes), 1)
+        failures = [how for _, how in outcomes if how]
         metrics = {
+            "env/failed": float(len(failures)),
+            "env/skipped": float(failures.count("skipped")),
+            "env/fallback": float(failures.count("fallback")),
             "rollout/samples": float(len(episodes)),
             "rollout/truncated_frac": sum(e.truncated for e in episodes) / n,
             "rollout/response_length_mean": sum(e.response_length for e in episodes) / n,
@@ -203,6 +241,41 @@ class MultiTurnExecutor:
             **_episode_means(episodes),
         }
         return ExecutorResult(trajectories=list(episodes), metrics=metrics)
+
+
+class _Progress:
+    """What an episode has produced so far (the lists its loop appends to), so that one that
+    fails can still end as a fallback trajectory."""
+
+    def __init__(self) -> None:
+        self.streams: tuple[list[int], list[int], list[float], int] | None = None
+
+    @property
+    def acted(self) -> bool:
+        """The policy produced at least one token."""
+        return self.streams is not None and any(self.streams[1])
+
+    def ended(self, reward: float, prompt_index: int, sample_index: int) -> Trajectory:
+        """The episode cut where it failed, scored ``reward`` (one turn: its last action)."""
+        assert self.streams is not None
+        tokens, mask, logprobs, prompt_length = self.streams
+        last = max(i for i, m in enumerate(mask) if m)
+        turns = sum(1 for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1]))
+        return Trajectory(
+            token_ids=tuple(tokens),
+            action_mask=tuple(mask),
+            rollout_logprobs=tuple(logprobs),
+            prompt_length=prompt_length,
+            reward=reward,
+            turn_rewards=(reward,),
+            turn_ends=(last,),
+            score=reward,
+            truncated=True,
+            finish_reason="abort",
+            metrics={"env/turns": float(turns)},
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+        )
 
 
 def _episode_means(episodes: Sequence[Trajectory]) -> dict[str, float]:

@@ -1,16 +1,17 @@
-"""A process of the run killed under it (``kill -9``): the run stops naming the role and the
-checkpoint to resume from, without a Ray traceback, and resuming as told finishes the run."""
+"""A process of the run killed under it (``kill -9``): a vLLM engine is restarted, re-synced and
+the run finishes; a learner rank stops the run naming the role and the checkpoint to resume
+from, without a Ray traceback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-
-import pytest
 
 from rlhf.learner import latest_checkpoint
 
@@ -25,12 +26,9 @@ def _wait_for(predicate, *, timeout: float, proc: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize(("role", "named"), [("engines", "the vLLM engine 0"),
-                                              ("actor", "the actor rank 0")])  # fmt: skip
-def test_a_killed_process_stops_the_run_with_the_command_that_resumes_it(
-    assets, tmp_path, role, named
-):
-    run_dir = tmp_path / "run"
+def _kill_after_two_steps(assets, run_dir, role: str, *, timeout: float):
+    """Start an 8-step run, kill -9 the first process of ``role`` once step 2's checkpoint
+    is saved, and wait for the run to end: (the run's flags, returncode, stdout, stderr)."""
     flags = ["--run_dir", str(run_dir), *small_run(assets, steps=8), "--ckpt.save_steps", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -50,17 +48,150 @@ def test_a_killed_process_stops_the_run_with_the_command_that_resumes_it(
         placement = json.loads((run_dir / "placement.json").read_text())
         pid = int(placement[role]["pids"][0])
         os.kill(pid, signal.SIGKILL)
-        _, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 1, err[-3000:]
-    assert f"rlhf: {named}" in err and "died during the run" in err
+    return flags, proc.returncode, out, err
+
+
+def test_a_killed_engine_is_restarted_and_the_run_finishes(assets, tmp_path):
+    run_dir = tmp_path / "run"
+    _, code, out, err = _kill_after_two_steps(assets, run_dir, "engines", timeout=600)
+    assert code == 0, err[-3000:] + out[-3000:]
+    faults = [x for x in out.splitlines() if x.startswith("[fault]")]
+    assert len(faults) == 1, out[-3000:]
+    found = re.fullmatch(
+        r"\[fault\] vLLM engine 0 died under the run; restarted and re-synced to version "
+        r"(\d+) in [\d.]+ s",
+        faults[0],
+    )
+    assert found is not None, faults[0]
+    version = int(found.group(1))
+    assert 2 <= version <= 8  # killed after step 2 was saved: the engines held version >= 2
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))  # no step lost
+    assert steps[-1]["rollout/engine_restarts"] == 1.0
+    assert [r["rollout/engine_restarts"] for r in steps[:2]] == [0.0, 0.0]
+    # The new engine loaded the version it was restarted at, then every later sync
+    # (versions version+1 … 8): 9 - version loads, over the transport of the run.
+    sync = json.loads((run_dir / "sync.json").read_text())
+    assert sync["transport"] == "shared_memory"
+    assert sync["engines_loaded"][0] == {"shared_memory": 9 - version}
+
+
+def test_a_killed_learner_rank_stops_the_run_with_the_command_that_resumes_it(assets, tmp_path):
+    run_dir = tmp_path / "run"
+    flags, code, _, err = _kill_after_two_steps(assets, run_dir, "actor", timeout=300)
+    assert code == 1, err[-3000:]
+    assert "rlhf: the actor rank 0" in err and "died during the run" in err
     assert "--ckpt.load_enable True to resume" in err
     assert "Traceback" not in err, err[-4000:]
-    if role != "engines":
-        return
     done = rlhf("train", "grpo", *flags, "--ckpt.load_enable", "True", timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows if "reward/mean" in r) == 8
+
+
+def test_a_dead_engine_stops_the_run_where_it_cannot_rejoin(tmp_path):
+    import types
+
+    from ray.exceptions import ActorDiedError
+
+    from rlhf.cli.faults import actor_died
+    from rlhf.cli.revive import why_not_revivable
+    from rlhf.rollout import RayEngine
+
+    # What the pool raises there (RayEngine's EngineDiedError) stops the run as a dead actor.
+    engine = RayEngine(types.SimpleNamespace(_actor_id=bytes.fromhex("ab12")))
+    died = engine.died(ActorDiedError())
+    assert died.actor_id == "ab12"
+    error = str(actor_died(died, ckpt_root=tmp_path, names={"ab12": "vLLM engine 1"}))
+    assert error.startswith("the vLLM engine 1 died during the run (the vLLM engine actor ab12")
+    assert "the run stopped. There is no checkpoint under" in error
+    unnamed = str(actor_died(died, ckpt_root=tmp_path))
+    assert unnamed.startswith("a vLLM engine died during the run")
+
+    assert why_not_revivable("shared_memory", gpu=False, colocated=False) is None
+    assert why_not_revivable("object_store", gpu=True, colocated=False) is None
+    assert "broadcast" in why_not_revivable("broadcast", gpu=False, colocated=False)
+    assert "cuda_ipc" in why_not_revivable("cuda_ipc", gpu=True, colocated=True)
+    assert "colocate_all" in why_not_revivable("object_store", gpu=True, colocated=True)
+
+
+def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
+    """The other way an engine's death shows: the weight sync after a step finds it dead
+    (it died while the learners trained). The live engine loads the sync, then a new engine
+    takes the dead one's place, in the run's engines and the pool, and loads the same sync."""
+    import types
+
+    import ray
+    import torch
+    from ray.exceptions import RayActorError
+    from safetensors.torch import load_file
+
+    from rlhf.agents import SamplingParams
+    from rlhf.cli.revive import EngineReviver
+    from rlhf.cli.roles import EngineLaunch, Roles
+    from rlhf.cli.sync import SenderTransport
+    from rlhf.rollout import EngineConfig, EnginePool
+    from rlhf.weights import ObjectStoreSender, pack_buckets
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    config = EngineConfig(model=str(assets["model"]), dtype="float32", max_model_len=64)
+    launch = EngineLaunch(config, num_engines=2, num_cpus=0.5, num_gpus=0.0, scheduling=None)
+    engines = launch.start()
+    try:
+        pool = EnginePool(engines)
+        roles = Roles(engines, pool, None, None, None, None, None, None, launch=launch)  # type: ignore[arg-type]
+        state = load_file(str(assets["model"] / "model.safetensors"))
+        gen = torch.Generator().manual_seed(5)
+        trained = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+        synced = ObjectStoreSender().send(
+            pack_buckets(trained.items(), version=3, bucket_bytes=1 << 20)
+        )
+        actor = types.SimpleNamespace(run=lambda fn: [synced])  # rank 0's sender made `synced`
+        transport = SenderTransport("object_store", actor, roles.engines, True, 1 << 20)  # type: ignore[arg-type]
+        lines: list[str] = []
+        driver = types.SimpleNamespace(roles=roles, transport=transport, echo=lines.append)
+        reviver = EngineReviver(driver)  # type: ignore[arg-type]
+        transport.on_engine_died = reviver.restart
+        dead = engines[0]
+        ray.kill(dead.handle, no_restart=True)
+
+        def gone() -> bool:
+            try:
+                dead.weight_version  # noqa: B018
+            except RayActorError:
+                return True
+            return False
+
+        deadline = time.monotonic() + 60
+        while not gone():  # Ray kills asynchronously: dead before the sync starts
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+        transport.sync(3)
+        new = roles.engines[0]
+        assert new is not dead and pool.engines[0] is new and transport.engines[0] is new
+        assert reviver.restarts == 1 and pool.restarts == 0  # restarted outside the pool
+        assert [e.weight_version for e in roles.engines] == [3, 3]
+        assert len(lines) == 1
+        assert lines[0].startswith(
+            "[fault] vLLM engine 0 died under the run; restarted and re-synced to version 3"
+        )
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+        async def both():
+            return await asyncio.gather(*(e.generate([5, 6, 7], greedy) for e in roles.engines))
+
+        first, second = asyncio.run(both())
+        assert first.token_ids == second.token_ids  # the same weights in both
+        # The pool serves from the new engine without reviving again.
+        asyncio.run(pool.generate_group([5, 6, 7], greedy, n=4))
+        assert pool.restarts == 0 and reviver.restarts == 1
+    finally:
+        for e in roles.engines:
+            e.shutdown()
+        ray.shutdown()

@@ -37,12 +37,14 @@ from rlhf.cli.faults import actor_died
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
 from rlhf.cli.plan import plan
 from rlhf.cli.resume import check_resume, run_shape
+from rlhf.cli.revive import enable_revival
 from rlhf.cli.roles import Roles, start_roles
 from rlhf.cli.sampling import Executors, evaluate, generate, staleness, to_samples
 from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.sync import Transport, choose_transport, engine_sync_parts, open_transport, report
 from rlhf.learner import MicroBatching, make_experience, ppo_update
+from rlhf.rollout import EngineDiedError
 
 
 def run_rl(
@@ -91,7 +93,7 @@ def run_rl(
         reward=config.resolved_reward(),
     )
     log = open_sinks(
-        config.train, run_dir=run_dir, run_config=resolved, resume=config.ckpt.load_enable
+        config.train, run_dir=run_dir, run_config=resolved, resume=resume_from is not None
     )
     watch.lap("setup")
     cluster = start_ray(address=config.ray.address)
@@ -137,6 +139,7 @@ def run_rl(
             stopwatch=watch,
             best=best,
         )
+        enable_revival(driver, kind=transport, gpu=cluster.gpu, echo=echo)  # rlhf.cli.revive
         (run_dir / "placement.json").write_text(json.dumps(roles.report_placement(), indent=1))
         watch.lap("roles")
         start, queue = driver.resume(resume_from) if resume_from is not None else (0, [])
@@ -155,7 +158,7 @@ def run_rl(
         driver.transport.close()
         (run_dir / "sync.json").write_text(json.dumps(report(transport, why, roles.engines)))
         return {"last": driver.last, "evaluations": driver.evaluations}
-    except RayActorError as exc:
+    except (RayActorError, EngineDiedError) as exc:
         names = roles.process_names
         raise actor_died(exc, ckpt_root=run_dir / "checkpoints", names=names) from None
     finally:

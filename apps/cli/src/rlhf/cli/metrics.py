@@ -128,7 +128,7 @@ class WandbLog:
                 config=dict(config),
                 dir=str(run_dir),
             )
-        except wandb.errors.Error as exc:
+        except wandb.Error as exc:
             raise RuntimeError(
                 f"--train.use_wandb: W&B could not start the run ({exc}); run `wandb login` or "
                 "set WANDB_API_KEY, or set WANDB_MODE=offline and `wandb sync` later"

@@ -183,7 +183,7 @@ def place(config: RLConfig, *, gpu: bool, timeout_s: float = 300.0) -> Placement
             name=f"rlhf-{layout.name}",
             bundle_label_selector=[where.bundle_selector()] * len(resources)
             if where.labels
-            else None,
+            else None,  # pyright: ignore[reportArgumentType] (Ray's default is None too)
         )
         if not group.wait(timeout_seconds=timeout_s):
             raise RuntimeError(

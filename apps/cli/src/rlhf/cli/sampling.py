@@ -163,6 +163,7 @@ class Executors:
         )
 
         path, module = self.agent_path, self.agent
+        assert module is not None  # only called when --train.agent_func_path is set
         common = {
             "tokenizer": self.tokenizer,
             "generator": self.generator,

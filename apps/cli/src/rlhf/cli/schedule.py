@@ -61,10 +61,10 @@ class Rollout:
     def from_state(cls, state: dict[str, Any]) -> Rollout:
         from rlhf.agents import Trajectory
 
-        trajectories = [
-            Trajectory(**{k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in t.items()})
-            for t in state["trajectories"]
-        ]
+        def fields(t: dict[str, Any]) -> dict[str, Any]:  # to_state's asdict, tuples back
+            return {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in t.items()}
+
+        trajectories = [Trajectory(**fields(t)) for t in state["trajectories"]]
         return cls(
             step=int(state["step"]),
             trajectories=trajectories,

@@ -98,7 +98,7 @@ class _ChunkedLinearLogprobsEntropy(torch.autograd.Function):
         return (
             grad_h,
             grad_w.to(weight.dtype) if grad_w is not None else None,
-            grad_b.to(bias.dtype) if grad_b is not None else None,
+            grad_b.to(bias.dtype) if grad_b is not None and bias is not None else None,
             None,
             None,
             None,

@@ -28,12 +28,15 @@ Used by both backends: the molt backend's ``fsdp.cp_size`` and the DeepSpeed bac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from rlhf.learner.ring_attention import ring_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION = "molt_ring"
 """The name the ring attention is registered under in transformers' attention interface."""
@@ -51,9 +54,10 @@ def _ring_forward(
 ) -> tuple[Tensor, None]:
     """transformers' attention signature: (B, H, Lc, D) in, (B, Lc, H, D) out. Scores in
     float32 at least, as eager attention computes its softmax."""
-    context = module.ring_context  # type: ignore[attr-defined]
+    # A plain attribute set by `shard_sequence` (torch types Module attributes Tensor | Module).
+    context = cast("dict[str, Any]", module.ring_context)
     compute = torch.promote_types(query.dtype, torch.float32)
-    out, _ = ring_attention(
+    out, _lse = ring_attention(
         query.to(compute),
         key.to(compute),
         value.to(compute),
@@ -91,8 +95,11 @@ class _GatherSequence(torch.autograd.Function):
         dist.all_gather(blocks, block.contiguous(), group=group)
         return torch.cat(blocks, dim=1)
 
+    # torch types backward as (ctx, *grad_outputs); a fixed arity is how autograd documents it.
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(  # pyright: ignore[reportIncompatibleMethodOverride]
+        ctx: Any, grad: Tensor
+    ) -> tuple[Tensor, None]:
         import torch.distributed as dist
 
         grad = grad.contiguous()
@@ -187,6 +194,7 @@ def shard_sequence(model: torch.nn.Module, *, group: Any, flag: str) -> torch.nn
 
     base.register_forward_pre_hook(split, with_kwargs=True)
     base.register_forward_hook(gather)
-    model.config._attn_implementation = ATTENTION
-    base.config._attn_implementation = ATTENTION
+    # Both are transformers models; torch types a Module's attributes as Tensor | Module.
+    cast("PreTrainedModel", model).config._attn_implementation = ATTENTION
+    cast("PreTrainedModel", base).config._attn_implementation = ATTENTION
     return model

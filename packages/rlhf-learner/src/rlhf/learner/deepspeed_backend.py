@@ -188,7 +188,7 @@ class DeepSpeedBackend:
         self._ds_config = ds_config(config)
         self._hf_ds: Any = None
         if config.deepspeed.zero_stage == 3:
-            from transformers.integrations import HfDeepSpeedConfig
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
             self._hf_ds = HfDeepSpeedConfig(self._ds_config)  # must outlive the model build
         model = load_model(config.model)
@@ -200,13 +200,18 @@ class DeepSpeedBackend:
         self._zero0_grad_norm: float | None = None
         if config.optimizer is not None:
             optimizer, scheduler = build_optimizer(model, config.optimizer)
+            # DeepSpeed annotates lr_scheduler as the deprecated `_LRScheduler`; it takes any
+            # `LRScheduler`, such as this LambdaLR.
             self.engine, _, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self._ds_config
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,  # pyright: ignore[reportArgumentType]
+                config=self._ds_config,
             )
             self.engine.checkpoint_engine = TensorsOnlyLoads(self.engine.checkpoint_engine)
             if _owns_clipping(config):
                 optimizer.register_step_pre_hook(self._clip_zero0_gradients)
-            self._module = self.engine.module
+            self._module: torch.nn.Module = self.engine.module
             if _compiled(config):
                 self.engine.compile()
         elif config.deepspeed.zero_stage == 3 or tp > 1:
@@ -433,9 +438,10 @@ class DeepSpeedBackend:
         if self.config.deepspeed.zero_stage == 3 and self.engine is not None:
             import deepspeed
 
-            def gather(params: list[torch.nn.Parameter]) -> Any:
+            def gathered(params: list[torch.nn.Parameter]) -> Any:
                 return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
+            gather = gathered
         yield from merged_parameters(self._module, gather)
 
     def state_dict_on_rank0(self, *, ema: bool = False) -> dict[str, Tensor] | None:
@@ -459,7 +465,7 @@ class DeepSpeedBackend:
         self.engine = None
         self._module = None  # type: ignore[assignment]
         if self._hf_ds is not None:
-            from transformers.integrations import unset_hf_deepspeed_config
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
             self._hf_ds = None
             unset_hf_deepspeed_config()
@@ -476,7 +482,8 @@ def _local(param: torch.nn.Parameter) -> Tensor:
 def _release(param: torch.nn.Parameter) -> None:
     """Drop a ZeRO-3 parameter's gathered copy, so the next gather reads its shard."""
     if getattr(param, "ds_tensor", None) is not None and param.data.numel():
-        param.partition()
+        zero3_param: Any = param  # DeepSpeed's ZeRO-3 attaches partition() to the parameter
+        zero3_param.partition()
 
 
 class TensorsOnlyLoads:

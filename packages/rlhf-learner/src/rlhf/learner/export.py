@@ -6,6 +6,7 @@ import os
 import pathlib
 import shutil
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,7 +31,10 @@ def write_hf_export(
     target = pathlib.Path(directory)
     staging = target.with_name(f".staging-{target.name}")
     shutil.rmtree(staging, ignore_errors=True)
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    # A transformers model or a PEFT one around it, duck-typed: torch types a Module's
+    # attributes as Tensor | Module, which hides their methods.
+    model: Any = module
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.save_pretrained(staging, state_dict=dict(state), safe_serialization=True)
     for f in pathlib.Path(source).iterdir():
         wanted = f.name.startswith("tokenizer") or f.name in _SIDE_FILES

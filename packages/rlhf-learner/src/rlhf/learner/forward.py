@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -134,7 +135,9 @@ def lm_head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Lin
         ValueError: the model has no plain ``nn.Linear`` output projection (e.g. a LoRA-wrapped
             head, whose weight alone is not the projection).
     """
-    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the module
+    # Duck-typed (a DeepSpeed engine wraps the module; PEFT and transformers methods follow):
+    # torch types a Module's attributes as Tensor | Module, which hides them.
+    inner: Any = getattr(model, "module", model)
     if hasattr(inner, "get_base_model"):  # PEFT
         inner = inner.get_base_model()
     head = inner.get_output_embeddings()

@@ -11,14 +11,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import pathlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhf.learner.config import ModelConfig
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -73,7 +78,7 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
     return model
 
 
-def _with_lora(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
+def _with_lora(model: torch.nn.Module, config: ModelConfig) -> PeftModel:
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
@@ -107,8 +112,11 @@ def merged_parameters(
         ``(name, tensor)``; a tensor is valid until the next one is requested.
     """
     whole = gather or (lambda _params: contextlib.nullcontext())
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    modules = dict(base.named_modules())
+    # PEFT's API (a PEFT model's base, a LoRA layer's adapters) is duck-typed: torch types a
+    # Module's attributes as Tensor | Module, which hides it.
+    peft_model: Any = model
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else model
+    modules: dict[str, Any] = dict(base.named_modules())
     for name, param in base.named_parameters():
         if ".lora_" in name or ".original_module." in name:
             continue
@@ -121,7 +129,10 @@ def merged_parameters(
                 needed += list(lora_layer.lora_A[adapter].parameters())
                 needed += list(lora_layer.lora_B[adapter].parameters())
             with whole(needed):
-                delta = sum(lora_layer.get_delta_weight(a) for a in lora_layer.active_adapters)
+                delta = functools.reduce(
+                    operator.add,
+                    (lora_layer.get_delta_weight(a) for a in lora_layer.active_adapters),
+                )
                 yield clean, (param.detach() + delta.to(param.dtype)).detach()
         else:
             with whole([param]):

@@ -148,7 +148,7 @@ def to_cpu(value: Any) -> Any:
     """Tensors in ``value`` (nested tuples, lists, dicts) detached on the CPU; a DTensor
     gathered whole first."""
     if isinstance(value, Tensor):
-        full_tensor = getattr(value, "full_tensor", None)
+        full_tensor: Callable[[], Tensor] | None = getattr(value, "full_tensor", None)
         whole = full_tensor() if callable(full_tensor) else value
         return whole.detach().cpu()
     if isinstance(value, tuple):

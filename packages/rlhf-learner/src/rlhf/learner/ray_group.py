@@ -143,7 +143,9 @@ class LearnerGroup:
             "runtime_env": {"env_vars": dict(env or {})},
         }
         actor = ray.remote(RankWorker)
-        self.workers = [
+        # Actor handles: Ray types an undecorated actor method as the plain function (no
+        # `.remote`) and the handle as an ActorProxy that `ray.kill` does not accept.
+        self.workers: list[Any] = [
             actor.options(  # type: ignore[attr-defined]
                 **options, **({"scheduling_strategy": scheduling[r]} if scheduling else {})
             ).remote(rank=r, world_size=num_ranks, master_addr="127.0.0.1", master_port=port)

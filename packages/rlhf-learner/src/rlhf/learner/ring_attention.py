@@ -59,8 +59,11 @@ class _RingShift(torch.autograd.Function):
         ctx.group = group
         return _shift(tensor, group, forward=True)
 
+    # torch types backward as (ctx, *grad_outputs); a fixed arity is how autograd documents it.
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(  # pyright: ignore[reportIncompatibleMethodOverride]
+        ctx: Any, grad: Tensor
+    ) -> tuple[Tensor, None]:
         return _shift(grad, ctx.group, forward=False), None
 
 
@@ -110,7 +113,7 @@ def ring_attention(
     """
     import torch.distributed as dist
 
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    block_scale = query.shape[-1] ** -0.5 if scale is None else scale
     groups = query.shape[1] // key.shape[1]
     q_segment = segment[:, None, :, None]
     q_index = token_index[None, None, :, None]
@@ -123,7 +126,7 @@ def ring_attention(
         )
         if groups > 1:
             key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-        return _block(query, key, value, mask, scale)
+        return _block(query, key, value, mask, block_scale)
 
     kv_segment, kv_index = segment, token_index
     out, lse = attend(key, value, kv_segment, kv_index)  # the diagonal block first

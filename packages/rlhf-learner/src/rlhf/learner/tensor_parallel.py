@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -230,7 +230,9 @@ def tensor_parallel_group(*, tp_size: int, rank: int) -> Any:
     import torch.distributed as dist
     from deepspeed.utils import groups
 
-    group = groups.get_tensor_model_parallel_group()
+    # DeepSpeed's getter is unannotated, inferred as ProcessGroup | int (torch's new_group
+    # returns an int to ranks outside the group); it returns this rank's own group.
+    group = cast("dist.ProcessGroup", groups.get_tensor_model_parallel_group())
     size, mine = dist.get_world_size(group), dist.get_rank(group)
     if size != tp_size or mine != rank % tp_size:
         raise RuntimeError(

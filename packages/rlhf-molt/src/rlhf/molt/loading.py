@@ -91,7 +91,8 @@ def materialize_and_load(
 ) -> None:
     """Allocate this rank's shards of the (split, sharded) meta ``model`` on ``device``, put
     its buffers on ``buffers_on`` and read its slices of the checkpoint at ``path``."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
@@ -103,7 +104,7 @@ def materialize_and_load(
     names = _stored_names(model)
     state = {k: v for k, v in get_model_state_dict(model).items() if k in names}
     try:
-        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
+        load(state, storage_reader=HuggingFaceStorageReader(path))
     except Exception as exc:  # the reader's errors name no flag
         raise ModelLoadError(
             f"model path {path!r}: reading its safetensors shard by shard failed ({exc}); "

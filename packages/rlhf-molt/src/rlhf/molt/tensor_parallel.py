@@ -29,12 +29,15 @@ meshes (data-parallel only, or data × tensor parallel), which one `clip_grad_no
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from rlhf.molt.config import FSDPConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _colwise() -> Any:
@@ -89,9 +92,15 @@ def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_plan.items()}
     plan.update(dict(getattr(type(model), "_tp_plan", None) or {}))
     if _tied_head(model) is not None:
-        embed_name = _module_name(model, model.get_input_embeddings())
+        embed_name = _module_name(model, _hf(model).get_input_embeddings())
         plan[embed_name] = "embedding_rowwise"
     return plan
+
+
+def _hf(model: torch.nn.Module) -> PreTrainedModel:
+    """``model`` seen as the transformers model it is (torch types a Module's attributes as
+    Tensor | Module, which hides transformers' methods)."""
+    return cast("PreTrainedModel", model)
 
 
 def _module_name(model: torch.nn.Module, target: torch.nn.Module) -> str:
@@ -103,9 +112,11 @@ def _module_name(model: torch.nn.Module, target: torch.nn.Module) -> str:
 
 def _tied_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The output embedding when it shares its weight with the input embedding, else None."""
-    get_out = getattr(model, "get_output_embeddings", None)
+    get_out: Callable[[], torch.nn.Module | None] | None = getattr(
+        model, "get_output_embeddings", None
+    )
     head = get_out() if callable(get_out) else None
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embed = _hf(model).get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if head is None or embed is None:
         return None
     return head if head.weight is embed.weight else None
@@ -215,7 +226,7 @@ def sequence_parallel_styles(model: torch.nn.Module, plan: dict[str, str]) -> di
             styles[pattern] = STYLES[style]()
         if style == "colwise" and "." in pattern:
             styles[pattern.rsplit(".", 1)[0]] = _gather_sequence_style()
-    embed_name = _module_name(model, model.get_input_embeddings())
+    embed_name = _module_name(model, _hf(model).get_input_embeddings())
     styles[embed_name] = _sequence_split_embedding(
         split=plan.get(embed_name) == "embedding_rowwise"
     )
@@ -265,8 +276,9 @@ def parallelize(
         styles = {pattern: STYLES[style]() for pattern, style in plan.items()}
         parallelize_module(model, mesh, styles)
     if tied:
-        head = model.get_output_embeddings()
-        head.weight = model.get_input_embeddings().weight
+        head = _hf(model).get_output_embeddings()
+        assert head is not None  # `tied`: _tied_head found it before the split
+        head.weight = _hf(model).get_input_embeddings().weight
     return model
 
 
@@ -292,5 +304,6 @@ def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_norm: float) ->
     if max_norm > 0:
         coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
+            # torch's foreach kernels (what clip_grad_norm_ uses) have only underscore names.
+            torch._foreach_mul_(grads, coef)  # pyright: ignore[reportPrivateImportUsage]
     return total

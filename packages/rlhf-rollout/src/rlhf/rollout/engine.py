@@ -24,7 +24,7 @@ import time
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -48,6 +48,9 @@ from rlhf.weights import (
     validate_sync,
 )
 
+if TYPE_CHECKING:
+    from vllm.config.model import ModelDType
+
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -68,10 +71,11 @@ def _vllm_sampling(sampling: SamplingParams) -> Any:
     shared by its requests: vLLM copies them per request, shallowly where it can
     (``skip_clone``; its per-request changes are to scalar fields of the copy). On a 2-core
     CPU, 128 requests of the demo: 100 → 44 µs of ``add_request`` each."""
-    from vllm import SamplingParams as VllmSamplingParams  # pyright: ignore[reportMissingImports]
-    from vllm.sampling_params import RequestOutputKind  # pyright: ignore[reportMissingImports]
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     shallow = "skip_clone" in getattr(VllmSamplingParams, "__struct_fields__", ())
+    clone: dict[str, Any] = {"skip_clone": True} if shallow else {}
     return VllmSamplingParams(
         n=1,
         max_tokens=sampling.max_new_tokens,
@@ -87,7 +91,7 @@ def _vllm_sampling(sampling: SamplingParams) -> Any:
         flat_logprobs=True,
         detokenize=bool(sampling.stop),
         output_kind=RequestOutputKind.FINAL_ONLY,
-        **({"skip_clone": True} if shallow else {}),
+        **clone,
     )
 
 
@@ -173,9 +177,9 @@ class VLLMEngine:
 
     def _build(self) -> Any:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm.engine.arg_utils import EngineArgs  # pyright: ignore[reportMissingImports]
-        from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
-        from vllm.v1.engine.llm_engine import LLMEngine  # pyright: ignore[reportMissingImports]
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.llm_engine import LLMEngine
 
         c = self.config
         if current_platform.is_cpu() and c.world_size > 1:
@@ -209,9 +213,20 @@ class VLLMEngine:
                 "seeded requests work), so one step must hold a sequence of max_model_len; "
                 "raise it or leave it unset"
             )
+        # Arguments vLLM takes only on some platforms or when set; the rest keep its defaults.
+        optional: dict[str, Any] = {}
+        if budget is not None:
+            optional["max_num_batched_tokens"] = budget
+        if whole_prompts:
+            optional["enable_chunked_prefill"] = False
+        if c.attention_backend:
+            optional["attention_backend"] = c.attention_backend
+        if current_platform.is_cpu():
+            optional["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(c, _hf_config(c.model))
         args = EngineArgs(
             model=c.model,
-            dtype=c.dtype,
+            # EngineOptions.__post_init__ admits only names that are vLLM's ModelDType values.
+            dtype=cast("ModelDType", c.dtype),
             max_model_len=c.max_model_len,
             seed=c.seed,
             enforce_eager=eager,
@@ -220,18 +235,11 @@ class VLLMEngine:
             pipeline_parallel_size=c.pipeline_parallel_size,
             gpu_memory_utilization=c.gpu_memory_utilization,
             max_num_seqs=c.max_num_seqs,
-            **({"max_num_batched_tokens": budget} if budget is not None else {}),
-            **({"enable_chunked_prefill": False} if whole_prompts else {}),
             enable_sleep_mode=c.enable_sleep_mode,
             logprobs_mode="processed_logprobs",
             # vLLM's own per-step statistics (Prometheus): unused, ours are `metrics`.
             disable_log_stats=True,
-            **({"attention_backend": c.attention_backend} if c.attention_backend else {}),
-            **(
-                {"kv_cache_memory_bytes": cpu_kv_cache_bytes(c, _hf_config(c.model))}
-                if current_platform.is_cpu()
-                else {}
-            ),
+            **optional,
         )
         return LLMEngine.from_engine_args(args)
 
@@ -283,7 +291,7 @@ class VLLMEngine:
             return  # cancelled before it reached the engine
         try:
             if kind == "generate":
-                from vllm.inputs import TokensPrompt  # pyright: ignore[reportMissingImports]
+                from vllm.inputs import TokensPrompt
 
                 if self._sleeping:
                     raise EngineError("the engine is asleep; call wake_up() before generate()")
@@ -591,7 +599,7 @@ class VLLMEngine:
         self._unverified = None
 
     def _on_gpu(self) -> bool:
-        from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+        from vllm.platforms import current_platform
 
         return bool(current_platform.is_cuda_alike())
 
@@ -639,7 +647,7 @@ def _cpu_thread_binding(workers: int) -> None:
     if nodes < workers:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         # An engine started earlier in this process made vLLM cache its environment.
-        import vllm.envs  # pyright: ignore[reportMissingImports]
+        import vllm.envs
 
         getattr(vllm.envs, "disable_envs_cache", lambda: None)()
 
@@ -649,7 +657,7 @@ def _covers(entries: Sequence[LiveDigest], shape: Sequence[int]) -> bool:
     leaving no gap)."""
     if any(e.dim is None for e in entries):
         return True
-    dims = {e.dim for e in entries}
+    dims = {e.dim for e in entries if e.dim is not None}
     if len(dims) != 1:
         return False
     (dim,) = dims

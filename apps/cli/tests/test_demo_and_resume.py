@@ -169,13 +169,13 @@ def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets
                          "--ckpt.allow_config_change", "rollout.batch_size")  # fmt: skip
     assert accepted.endswith("step-00000002 (step 2)"), accepted
     # A file damaged after the save: named before start-up, the intact step 1 offered.
-    rng = tmp_path / "run/checkpoints/step-00000002/rng/rank-0.pt"
+    rng = tmp_path / "run/checkpoints/step-00000002/rng/rank-0.safetensors"
     good = rng.read_bytes()
     rng.write_bytes(b"not a checkpoint")
     damaged = rlhf(*resume, "--train.num_steps", "3", timeout=300)
     assert damaged.returncode == 2, damaged.stderr[-3000:]
     assert (
-        f"step-00000002 is damaged (rng/rank-0.pt has 16 bytes, {len(good)} were written); "
+        f"step-00000002 is damaged (rng/rank-0.safetensors has 16 bytes, {len(good)} were written); "
         "the newest intact one is step-00000001" in damaged.stderr
     )
     skipped = plan_line(*resume[:-1], "auto", "--train.num_steps", "3")
@@ -189,7 +189,10 @@ def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets
     corrupt = rlhf(*resume, "--train.num_steps", "3", timeout=600)
     assert corrupt.returncode == 2, corrupt.stderr[-3000:]
     last = corrupt.stderr.strip().splitlines()[-1]
-    assert last.startswith("rlhf: ") and "rank-0.pt (the RNG state of rank 0) does not load" in last
+    assert (
+        last.startswith("rlhf: ")
+        and "rank-0.safetensors (the RNG state of rank 0) does not load" in last
+    )
     assert "\x1b[" not in last and "RayTaskError" not in last
     # No checkpoint: an error with True (a mistyped --run_dir?), a new run with auto.
     typo = ["train", "grpo", "--run_dir", str(tmp_path / "typo"), *common]

@@ -272,14 +272,16 @@ def test_checkpoint_files_are_read_without_running_code(group, tiny, tmp_path) -
     group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
     path = pathlib.Path(group.save(str(tmp_path / "ckpt"), 1, client_state={"step": 1}))
     marker = tmp_path / "code-ran"
-    rng = path / "rng" / "rank-0.pt"
+    rng = path / "rng" / "rank-0.safetensors"
     good_rng = rng.read_bytes()
     torch.save({"python": _TouchOnLoad(marker)}, rng)
     # The manifest notices the change first; with a forged one the reader still refuses.
-    with pytest.raises(CheckpointError, match=r"damaged .*rng/rank-0\.pt (has|differs)"):
+    with pytest.raises(CheckpointError, match=r"damaged .*rng/rank-0\.safetensors (has|differs)"):
         group.load(str(path))
     _forge_manifest(path)
-    with pytest.raises(CheckpointError, match=r"rank-0\.pt \(the RNG state of rank 0\) does not"):
+    with pytest.raises(
+        CheckpointError, match=r"rank-0\.safetensors \(the RNG state of rank 0\) does not"
+    ):
         group.load(str(path))
     rng.write_bytes(good_rng)
     (optim,) = (path / "backend" / "state").glob("zero_pp_rank_0_*optim_states.pt")
@@ -290,11 +292,15 @@ def test_checkpoint_files_are_read_without_running_code(group, tiny, tmp_path) -
     assert not marker.exists()
     group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
     fresh = pathlib.Path(group.save(str(tmp_path / "fresh"), 1, client_state={"step": 1}))
-    (fresh / "rng" / "rank-0.pt").unlink()  # rank 1's is there: not a checkpoint of fewer ranks
-    with pytest.raises(CheckpointError, match=r"damaged .*rng/rank-0\.pt is missing"):
+    (
+        fresh / "rng" / "rank-0.safetensors"
+    ).unlink()  # rank 1's is there: not a checkpoint of fewer ranks
+    with pytest.raises(CheckpointError, match=r"damaged .*rng/rank-0\.safetensors is missing"):
         group.load(str(fresh))
     _forge_manifest(fresh)
-    with pytest.raises(CheckpointError, match=r"is missing rng/rank-0\.pt \(deleted, or an incomp"):
+    with pytest.raises(
+        CheckpointError, match=r"is missing rng/rank-0\.safetensors \(deleted, or an incomp"
+    ):
         group.load(str(fresh))
 
 

@@ -3,6 +3,7 @@ and the objectives against rlhf.algos on a real model in one process."""
 
 import json
 import math
+import pathlib
 
 import pytest
 import torch
@@ -189,6 +190,53 @@ def test_a_checkpoint_damaged_after_writing_is_named_and_skipped(tmp_path) -> No
     # A checkpoint from before manifests (a marker with the step only) is not checked.
     (newest / "COMPLETE").write_text(json.dumps({"step": 2}))
     assert ckpt.verify_checkpoint(newest) == []
+
+
+def test_rank_state_is_safetensors_and_json_restored_exactly(tmp_path) -> None:
+    """RNG states and EMA weights are written as safetensors (Python's RNG as JSON in the
+    header) and read back without unpickling: the draws after a restore repeat the draws after
+    the save, and a pickle put in their place is refused, not run."""
+    import random
+
+    from rlhf.learner.rank import load_ema, save_ema
+
+    random.seed(7)
+    torch.manual_seed(7)
+    random.random()  # leave the generators mid-stream
+    ckpt.write_rank_rng(tmp_path, 1)
+    after = (random.random(), random.getrandbits(64), torch.rand(3))
+    random.seed(0)
+    torch.manual_seed(0)
+    ckpt.restore_rank_rng(tmp_path, 1)
+    again = (random.random(), random.getrandbits(64), torch.rand(3))
+    assert after[:2] == again[:2] and torch.equal(after[2], again[2])
+    raw = (tmp_path / "rng" / "rank-1.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert json.loads(header["__metadata__"]["json"])["python"][0] == 3  # plain JSON
+
+    ema = {"w": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.float32)}
+    save_ema(str(tmp_path), 0, ema)
+    loaded = load_ema(str(tmp_path), 0)
+    assert loaded.keys() == ema.keys() and all(torch.equal(loaded[k], ema[k]) for k in ema)
+    assert not list(tmp_path.rglob("*.pt"))
+
+    marker = tmp_path / "ran"
+    torch.save({"x": _RunsOnLoad(str(marker))}, tmp_path / "rng" / "rank-1.safetensors")
+    with pytest.raises(CheckpointError, match=r"rank-1\.safetensors \(the RNG state of rank 1\)"):
+        ckpt.restore_rank_rng(tmp_path, 1)
+    with pytest.raises(CheckpointError, match=r"written with 2 ranks; resume with that many"):
+        ckpt.restore_rank_rng(tmp_path, 2)
+    assert not marker.exists()
+
+
+class _RunsOnLoad:
+    """Unpickling it would create ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
 
 
 def test_missing_model_path_is_named(tmp_path) -> None:

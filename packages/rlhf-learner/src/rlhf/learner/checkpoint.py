@@ -7,9 +7,15 @@ Layout under a run's checkpoint root::
                               manifest (every other file's size and CRC-32)
         model.json            parameter names → shapes of the model it holds
         trainer_state.json    the driver's state (step, data position, KL controller, …)
-        rng/rank-<r>.pt       each rank's RNG states
-        ema/rank-<r>.pt       each rank's EMA weights (its shards under ZeRO-3), if kept
-        backend/              the backend's own files (DeepSpeed engine state)
+        rng/rank-<r>.safetensors  each rank's RNG states (torch's as tensors, Python's as
+                              JSON in the header)
+        ema/rank-<r>.safetensors  each rank's EMA weights (its shards under ZeRO-3), if kept
+        backend/              the backend's own files (DeepSpeed engine state, or DCP)
+
+Nothing in it is a pickle of ours: our files are JSON and safetensors, and the DeepSpeed
+backend writes DeepSpeed's state files (under DeepSpeed's names) as safetensors with a JSON
+skeleton (`rlhf.learner.state_codec`), so reading a checkpoint runs no code. The molt
+backend's DCP files are torch's format, read through ``rlhf.molt.safe_dcp``'s checks.
     .staging-step-00000012/   being written; never read
 
 A checkpoint becomes visible only through ``os.replace`` of its finished staging directory, so
@@ -28,7 +34,7 @@ import random
 import re
 import shutil
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -69,54 +75,62 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> pathlib.Path | None:
     return found[-1] if found else None
 
 
-def write_rank_rng(directory: str | os.PathLike[str], rank: int) -> None:
-    """Save this process's Python and torch (CPU and CUDA) RNG states."""
-    path = pathlib.Path(directory) / "rng"
-    path.mkdir(parents=True, exist_ok=True)
-    state = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-    torch.save(state, path / f"rank-{rank}.pt")
-
-
-def load_tensors_only(
+def save_tensors(
     file: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
     *,
-    what: str,
-    map_location: Any = "cpu",
-    allowed: Sequence[Any] = (),
-) -> Any:
-    """``torch.load`` that unpickles tensors and plain containers only (and the data
-    classes in ``allowed``): a checkpoint from elsewhere cannot run code while it is read.
+    meta: Any = None,
+) -> None:
+    """``tensors`` as a safetensors file, ``meta`` (JSON-serialisable) in its header."""
+    from safetensors.torch import save_file
+
+    flat = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    save_file(flat, str(file), metadata={"json": json.dumps(meta)})
+
+
+def load_tensors(file: str | os.PathLike[str], *, what: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """What `save_tensors` wrote: the tensors (on the CPU) and ``meta``. Nothing is unpickled.
 
     Raises:
-        CheckpointError: naming the file and what it holds, when it does not unpickle so
-            (corrupt, or holding other objects).
+        CheckpointError: naming the file and what it holds, when it is not such a file
+            (corrupt, truncated, or written by something else).
     """
+    from safetensors import safe_open
+
     try:
-        with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(file, weights_only=True, map_location=map_location)
-    except Exception as exc:  # UnpicklingError, RuntimeError (truncated zip), EOFError, …
+        with safe_open(str(file), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        meta = json.loads(header["json"])
+    except Exception as exc:  # SafetensorError, KeyError, JSONDecodeError, OSError
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        try:
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-        except Exception:  # not even a readable archive
-            unsafe = []
-        if unsafe:
-            reason = f"it holds objects of {', '.join(sorted(unsafe))}"
         raise CheckpointError(
-            f"{file} ({what}) does not load as plain tensors and containers: {reason}; it is "
-            "corrupt or was not written by this framework (nothing in it was executed)"
+            f"{file} ({what}) does not load as a safetensors file with our header: {reason}; "
+            "it is corrupt or was not written by this framework (nothing in it was executed)"
         ) from None
+    return tensors, meta
+
+
+def write_rank_rng(directory: str | os.PathLike[str], rank: int) -> None:
+    """Save this process's Python and torch (CPU and CUDA) RNG states: torch's as tensors,
+    Python's Mersenne Twister state as JSON, in ``rng/rank-<rank>.safetensors``."""
+    path = pathlib.Path(directory) / "rng"
+    path.mkdir(parents=True, exist_ok=True)
+    version, internal, gauss = random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    tensors = {"torch": torch.get_rng_state(), **{f"cuda.{i}": s for i, s in enumerate(cuda)}}
+    meta = {"python": [version, list(internal), gauss], "cuda_devices": len(cuda)}
+    save_tensors(path / f"rank-{rank}.safetensors", tensors, meta=meta)
 
 
 def restore_rank_rng(directory: str | os.PathLike[str], rank: int) -> None:
     """Restore what `write_rank_rng` saved for ``rank``."""
-    file = pathlib.Path(directory) / "rng" / f"rank-{rank}.pt"
+    file = pathlib.Path(directory) / "rng" / f"rank-{rank}.safetensors"
     if not file.is_file():
-        written = sorted(int(f.stem.removeprefix("rank-")) for f in file.parent.glob("rank-*.pt"))
+        written = sorted(
+            int(f.name.removeprefix("rank-").removesuffix(".safetensors"))
+            for f in file.parent.glob("rank-*.safetensors")
+        )
         if written and rank > written[-1]:
             raise CheckpointError(
                 f"checkpoint {directory} has no RNG state for rank {rank}: it was written with "
@@ -126,11 +140,22 @@ def restore_rank_rng(directory: str | os.PathLike[str], rank: int) -> None:
             f"checkpoint {directory} is missing {file.relative_to(directory)} (deleted, or an "
             "incomplete copy): restore the file or resume from another checkpoint"
         )
-    state = load_tensors_only(file, what=f"the RNG state of rank {rank}")
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    what = f"the RNG state of rank {rank}"
+    tensors, meta = load_tensors(file, what=what)
+    try:
+        version, internal, gauss = meta["python"]
+        cuda = [tensors[f"cuda.{i}"] for i in range(int(meta["cuda_devices"]))]
+        python_state = (int(version), tuple(int(x) for x in internal), gauss)
+        cpu_state = tensors["torch"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{file} ({what}) lacks {exc}: it was not written by this framework's "
+            "write_rank_rng; resume from another checkpoint"
+        ) from None
+    random.setstate(python_state)
+    torch.set_rng_state(cpu_state)
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def finalize(

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from rlhf.learner import checkpoint as ckpt
 from rlhf.learner import rank as shared
+from rlhf.learner import state_codec
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
@@ -208,7 +209,7 @@ class DeepSpeedBackend:
                 lr_scheduler=scheduler,  # pyright: ignore[reportArgumentType]
                 config=self._ds_config,
             )
-            self.engine.checkpoint_engine = TensorsOnlyLoads(self.engine.checkpoint_engine)
+            self.engine.checkpoint_engine = SafetensorsEngineFiles(self.engine.checkpoint_engine)
             if _owns_clipping(config):
                 optimizer.register_step_pre_hook(self._clip_zero0_gradients)
             self._module: torch.nn.Module = self.engine.module
@@ -486,11 +487,11 @@ def _release(param: torch.nn.Parameter) -> None:
         zero3_param.partition()
 
 
-class TensorsOnlyLoads:
-    """DeepSpeed's checkpoint engine with reads that unpickle tensors and plain containers
-    only (`rlhf.learner.checkpoint.load_tensors_only`): DeepSpeed's own reader unpickles
-    anything (``weights_only=False``), so a checkpoint from elsewhere could run code on load.
-    Everything else is the wrapped engine's."""
+class SafetensorsEngineFiles:
+    """DeepSpeed's checkpoint engine writing each of its state files (under DeepSpeed's own
+    file names) as safetensors with a JSON skeleton (`rlhf.learner.state_codec`) instead of a
+    pickle, and reading them back without unpickling: a checkpoint from elsewhere cannot run
+    code on load. Everything else is the wrapped engine's."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -498,15 +499,27 @@ class TensorsOnlyLoads:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def save(self, state_dict: Any, path: str) -> None:
+        tensors, skeleton = state_codec.encode(state_dict, allowed=deepspeed_state_classes())
+        ckpt.save_tensors(path, tensors, meta=skeleton)
+
     def load(self, path: str, map_location: Any = None) -> Any:
+        """The state saved at ``path``, its tensors on the CPU (DeepSpeed copies them into
+        place; ``map_location`` is not needed for that)."""
         what = "DeepSpeed engine state"
-        allowed = deepspeed_state_classes()
-        return ckpt.load_tensors_only(path, what=what, map_location=map_location, allowed=allowed)
+        tensors, skeleton = ckpt.load_tensors(path, what=what)
+        try:
+            return state_codec.decode(skeleton, tensors, allowed=deepspeed_state_classes())
+        except state_codec.StateCodecError as exc:
+            raise ckpt.CheckpointError(
+                f"{path} ({what}) does not decode: {exc}; it is corrupt or was not written by "
+                "this framework (nothing in it was executed)"
+            ) from None
 
 
 def deepspeed_state_classes() -> list[Any]:
     """The data classes DeepSpeed's own engine and ZeRO states hold (a loss scaler's settings,
-    the ZeRO stage enum, fragment addresses): restored from their fields, no code of theirs
+    the ZeRO stage enum, fragment addresses): rebuilt from their fields, no code of theirs
     runs on load."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum

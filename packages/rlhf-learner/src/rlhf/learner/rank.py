@@ -28,7 +28,7 @@ from torch import Tensor
 
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
-from rlhf.learner.checkpoint import CheckpointError, load_tensors_only
+from rlhf.learner.checkpoint import CheckpointError, load_tensors, save_tensors
 from rlhf.learner.config import ModelConfig
 
 NamedParams = Iterable[tuple[str, torch.nn.Parameter]]
@@ -205,20 +205,21 @@ def ema_swapped(
 
 
 def save_ema(directory: str, rank: int, ema: dict[str, Tensor]) -> None:
-    """This rank's EMA into ``directory/ema/rank-<rank>.pt``."""
+    """This rank's EMA into ``directory/ema/rank-<rank>.safetensors``."""
     (pathlib.Path(directory) / "ema").mkdir(exist_ok=True)
-    torch.save(ema, pathlib.Path(directory) / "ema" / f"rank-{rank}.pt")
+    save_tensors(pathlib.Path(directory) / "ema" / f"rank-{rank}.safetensors", ema)
 
 
 def load_ema(directory: str, rank: int) -> dict[str, Tensor]:
-    """What `save_ema` wrote for ``rank`` (tensors only), or a `CheckpointError`."""
-    file = pathlib.Path(directory) / "ema" / f"rank-{rank}.pt"
+    """What `save_ema` wrote for ``rank`` (read without unpickling), or a `CheckpointError`."""
+    file = pathlib.Path(directory) / "ema" / f"rank-{rank}.safetensors"
     if not file.is_file():
         raise CheckpointError(
             f"checkpoint {directory} has no EMA weights of rank {rank}; it was saved without "
             "optimizer.ema_decay or with another number of ranks"
         )
-    return load_tensors_only(file, what=f"the EMA weights of rank {rank}")
+    tensors, _ = load_tensors(file, what=f"the EMA weights of rank {rank}")
+    return tensors
 
 
 def gather_on_rank0(

@@ -1,6 +1,7 @@
 """A process of the run killed under it (``kill -9``): a vLLM engine is restarted, re-synced and
 the run finishes; a learner rank stops the run naming the role and the checkpoint to resume
-from, without a Ray traceback."""
+from, without a Ray traceback. The driver stopped by SIGTERM shuts down every Ray process it
+started."""
 
 from __future__ import annotations
 
@@ -195,3 +196,46 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
         for e in roles.engines:
             e.shutdown()
         ray.shutdown()
+
+
+def test_sigterm_stops_the_run_and_every_ray_process_it_started(assets, tmp_path):
+    import psutil
+
+    run_dir = tmp_path / "run"
+    flags = ["--run_dir", str(run_dir), *small_run(assets, steps=50), "--ckpt.save_steps", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf.cli", "train", "grpo", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        ckpt = run_dir / "checkpoints"
+        _wait_for(lambda: latest_checkpoint(ckpt) is not None, timeout=600, proc=proc)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        names = {p.name() for p in started}
+        assert {"raylet", "gcs_server"} <= names, names  # Ray's own processes are among them
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rlhf: stopped by SIGTERM. The Ray processes it started were shut"), last
+    assert "--ckpt.load_enable True to resume" in last and "step-0000000" in last, last
+    assert "Traceback" not in err, err[-3000:]
+
+    def alive() -> list[str]:
+        out = []
+        for p in started:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{p.pid} {p.name()}")
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    deadline = time.monotonic() + 60  # generous: Ray stops its processes asynchronously
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(), f"left running after the driver stopped: {alive()}"

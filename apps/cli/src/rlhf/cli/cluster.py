@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass
 
 from rlhf.cli.config import ConfigError
+from rlhf.cli.stopping import claim_signals
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ def start_ray(*, address: str = "") -> Cluster:
                 include_dashboard=False,
                 log_to_driver=False,
             )
+        claim_signals()  # ray.init installed its own SIGTERM handler (rlhf.cli.stopping)
     return Cluster(
         gpu=bool(ray.cluster_resources().get("GPU")),
         nodes=sum(1 for node in ray.nodes() if node.get("Alive")),

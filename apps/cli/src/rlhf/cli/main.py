@@ -10,6 +10,8 @@
 Flags are the packages' frozen configs, dotted: ``--rollout.n_samples_per_prompt 8``;
 ``--config run.yaml`` loads values first (flags win). ``rlhf <command> --help`` lists them.
 ``--debug`` (anywhere) prints the traceback of a user error too, not only its message.
+SIGTERM, SIGHUP and Ctrl-C stop a command cleanly (`rlhf.cli.stopping`): its Ray actors and
+the local Ray cluster it started are shut down, and it exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -91,11 +93,6 @@ def env() -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rlhf.agents import EnvironmentStepError, RewardError
-    from rlhf.cli.config import ConfigError, RunError
-    from rlhf.cli.data import DataSourceError
-    from rlhf.learner import CheckpointError, DataError, ModelLoadError
-
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
@@ -103,6 +100,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     command, rest = args[0], args[1:]
+    from rlhf.cli.stopping import Stopped, as_stopped, stop_on_signals
+
+    ray_shut: list[bool] = []
+    try:
+        with stop_on_signals() as ray_shut:
+            return _command(command, rest, args, debug=debug)
+    except (KeyboardInterrupt, Stopped) as exc:
+        stopped = as_stopped(exc)
+        if debug:
+            traceback.print_exception(exc, file=sys.stderr)
+        ray = " The Ray processes it started were shut down." if any(ray_shut) else ""
+        hint = f" {stopped.hint}" if stopped.hint else ""
+        print(f"rlhf: stopped by {stopped}.{ray}{hint}", file=sys.stderr)
+        return stopped.exit_code
+
+
+def _command(command: str, rest: list[str], args: list[str], *, debug: bool) -> int:
+    """Run one command; user errors reported (exit 2, or 1 for a run that cannot go on)."""
+    from rlhf.agents import EnvironmentStepError, RewardError
+    from rlhf.cli.config import ConfigError, RunError
+    from rlhf.cli.data import DataSourceError
+    from rlhf.learner import CheckpointError, DataError, ModelLoadError
+
     try:
         if command == "demo":
             from rlhf.cli.demo import DemoConfig, run_demo

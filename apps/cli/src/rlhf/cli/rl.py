@@ -33,7 +33,7 @@ from rlhf.cli.best import BestModel, check_metric
 from rlhf.cli.cluster import start_ray
 from rlhf.cli.config import RLConfig
 from rlhf.cli.data import Prompt, PromptSampler, prompt_sources
-from rlhf.cli.faults import actor_died
+from rlhf.cli.faults import actor_died, resume_hint
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
 from rlhf.cli.plan import plan
 from rlhf.cli.resume import check_resume, run_shape
@@ -42,6 +42,7 @@ from rlhf.cli.roles import Roles, start_roles
 from rlhf.cli.sampling import Executors, evaluate, generate, staleness, to_samples
 from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
 from rlhf.cli.startup import Stopwatch
+from rlhf.cli.stopping import Stopped, as_stopped
 from rlhf.cli.sync import Transport, choose_transport, engine_sync_parts, open_transport, report
 from rlhf.learner import MicroBatching, make_experience, ppo_update
 from rlhf.rollout import EngineDiedError
@@ -161,6 +162,8 @@ def run_rl(
     except (RayActorError, EngineDiedError) as exc:
         names = roles.process_names
         raise actor_died(exc, ckpt_root=run_dir / "checkpoints", names=names) from None
+    except (KeyboardInterrupt, Stopped) as exc:  # the roles stop below, Ray in rlhf.cli.main
+        raise as_stopped(exc, hint=resume_hint(run_dir / "checkpoints")) from None
     finally:
         log.close()
         roles.shutdown()

@@ -7,7 +7,7 @@ import pytest
 
 from rlhf.cli.config import ConfigError, RLConfig
 from rlhf.cli.config_file import load
-from rlhf.cli.main import _parse
+from rlhf.cli.main import _parse, given_names
 from rlhf.cli.presets import resolve
 
 from .conftest import rlhf
@@ -45,6 +45,19 @@ def test_values_apply_over_the_preset_and_flags_win(tmp_path) -> None:
     assert flagged.rollout.batch_size == 3 and flagged.vllm.verify_sync == "True"
     (tmp_path / "run.json").write_text('{"train": {"num_steps": 7}}')
     assert load(preset, str(tmp_path / "run.json")).train.num_steps == 7
+
+
+def test_an_alias_sets_its_field_as_a_flag_and_as_a_key(tmp_path) -> None:
+    """``--train.agent_timeout_s`` (the spelling users bring) is ``--train.agent_step_timeout_s``
+    in both its forms and in a --config file, and counts as given."""
+    preset = resolve("grpo")
+    assert preset.train.agent_step_timeout_s != 5.0
+    for flags in (["--train.agent_timeout_s", "5"], ["--train.agent_timeout_s=5"]):
+        assert _parse(RLConfig, flags, preset, "x").train.agent_step_timeout_s == 5.0
+    (tmp_path / "run.yaml").write_text("train:\n  agent_timeout_s: 7\n")
+    assert load(preset, str(tmp_path / "run.yaml")).train.agent_step_timeout_s == 7.0
+    given = given_names(["--config", str(tmp_path / "run.yaml"), "--train.agent_timeout_s", "1"])
+    assert "train.agent_step_timeout_s" in given and "train.agent_timeout_s" not in given
 
 
 BAD = """\

@@ -21,6 +21,18 @@ class ConfigError(ValueError):
     """An invalid combination of flags; the message names them."""
 
 
+FLAG_ALIASES: dict[str, str] = {
+    "train.agent_timeout_s": "train.agent_step_timeout_s",
+}
+"""Other spellings of a flag (and of its ``--config`` key) → the field it sets; an alias stays
+in its field's section."""
+
+
+def canonical_flag(dotted: str) -> str:
+    """The field ``dotted`` (a flag's name without ``--``) sets: itself, or its alias's field."""
+    return FLAG_ALIASES.get(dotted, dotted)
+
+
 class RunError(RuntimeError):
     """A run that cannot go on for a reason the user can act on (every sample's reward
     failed under the skip policy, say); the message says what to do. ``rlhf`` prints it
@@ -247,9 +259,10 @@ class TrainConfig:
             episode's rewards replace ``reward_func`` for training (evaluations stay
             single-turn, scored by ``reward_func``).
         agent_max_turns: Most policy turns per episode (environment files).
-        agent_step_timeout_s: Deadline of one environment ``reset()`` or ``step()`` call; past
-            it the run stops naming the file, prompt, sample and turn (synchronous methods run
-            on a thread of their own, so one that never returns cannot stall the run).
+        agent_step_timeout_s: Deadline of one environment ``reset()`` or ``step()`` call (also
+            spelled ``--train.agent_timeout_s``); past it the run stops naming the file,
+            prompt, sample and turn (synchronous methods run on a thread of their own, so one
+            that never returns cannot stall the run).
         agent_failure_policy: What an episode whose environment fails (raises, passes
             ``agent_step_timeout_s``, returns something malformed) becomes: ``raise`` (the run
             stops naming it), ``skip`` (left out; its prompt group then drops out of the

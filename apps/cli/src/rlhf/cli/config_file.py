@@ -21,7 +21,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rlhf.cli.config import ConfigError, raise_problems
+from rlhf.cli.config import ConfigError, canonical_flag, raise_problems
 
 T = TypeVar("T")
 _MISMATCH = object()
@@ -128,7 +128,8 @@ def _merge(
         hints = {}
     changes = {}
     for key, value in values.items():
-        dotted = f"{prefix}{key}"
+        dotted = canonical_flag(f"{prefix}{key}")
+        key = dotted.rsplit(".", 1)[-1]  # an alias names a field of the same section
         if key not in fields:
             problems.append(
                 f"{where(dotted)}: unknown key {dotted!r} (no flag --{dotted}); known here: "

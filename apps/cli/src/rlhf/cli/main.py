@@ -30,7 +30,7 @@ T = TypeVar("T")
 def _parse(cls: type[T], args: Sequence[str], default: T, prog: str) -> T:
     import tyro
 
-    args = list(args)
+    args = [_canonical_arg(a) for a in args]
     if "--config" in args:
         i = args.index("--config")
         path = args[i + 1] if i + 1 < len(args) else ""
@@ -49,15 +49,27 @@ def _parse(cls: type[T], args: Sequence[str], default: T, prog: str) -> T:
     )
 
 
+def _canonical_arg(arg: str) -> str:
+    """``arg`` with an alias flag (`rlhf.cli.config.FLAG_ALIASES`) spelled as its field."""
+    from rlhf.cli.config import canonical_flag
+
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg[2:].partition("=")
+    return f"--{canonical_flag(name)}{sep}{value}"
+
+
 def given_names(args: Sequence[str]) -> set[str]:
     """The dotted names a command line sets: its ``--flags`` and its ``--config`` file's keys
     (what a preset's value derived from another flag must not override)."""
+    from rlhf.cli.config import canonical_flag
+
     names = {a[2:].split("=", 1)[0] for a in args if a.startswith("--") and a != "--config"}
     if "--config" in args and args.index("--config") + 1 < len(args):
         from rlhf.cli.config_file import keys
 
         names |= keys(args[args.index("--config") + 1])
-    return names
+    return {canonical_flag(n) for n in names}
 
 
 def env() -> dict[str, Any]:

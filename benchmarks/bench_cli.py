@@ -23,6 +23,11 @@ engine load and generation tokens/s / raw vLLM's.
 With ``--transports object_store,cuda_ipc`` it runs the turn-taking configuration once per
 ``--train.weight_transport`` and prints sync and step time ratios against the first.
 
+With ``--variants 'seeded=;unseeded=--rollout.seed_requests False'`` it runs the hybrid
+configuration once per named set of extra flags (``;`` between variants, spaces between
+flags), alternating ``--rounds`` times, and prints each variant's median step, generation time
+and generated tokens/s as ratios against the first variant's.
+
 With ``--baseline-python PATH`` it measures a change instead: the resident run with this
 interpreter's rlhf against the same run with another environment's (e.g. the previous
 commit's packages installed into a copy of the environment), alternating ``--rounds`` times;
@@ -203,6 +208,33 @@ def compare(model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, args) -
     return report
 
 
+def variants(model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, args) -> dict:
+    """The hybrid run once per ``--variants`` entry, alternating over ``--rounds``."""
+    named = dict(v.split("=", 1) for v in args.variants.split(";"))
+    runs: dict[str, list[dict]] = {name: [] for name in named}
+    for r in range(args.rounds):
+        for name in list(named)[:: 1 if r % 2 == 0 else -1]:
+            result = run(
+                f"hybrid-{name}-{r}", model, data, root, args, extra=tuple(named[name].split())
+            )
+            runs[name].append(result)
+            print(name, r, json.dumps(result), flush=True)
+    report: dict = {"size": args.size, "rounds": args.rounds, "flags": named}
+    med = {
+        name: {
+            k: statistics.median(x[k] for x in results)
+            for k in ("step_s", "generation_s", "tokens_per_s", "weight_sync_s")
+        }
+        for name, results in runs.items()
+    }
+    report["median"] = med
+    first = next(iter(named))
+    for name in list(named)[1:]:
+        for key in ("step_s", "generation_s", "tokens_per_s"):
+            report[f"ratio_{key}_{name}_over_{first}"] = med[name][key] / max(med[first][key], 1e-9)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="tiny")
@@ -214,6 +246,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--json", default="")
     parser.add_argument("--runs", default="turn-taking,hybrid,resident")
+    parser.add_argument("--variants", default="", help="name=flags;name=flags (hybrid runs)")
     args = parser.parse_args()
     root = pathlib.Path(tempfile.mkdtemp(prefix="bench-cli-"))
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -232,6 +265,12 @@ def main() -> None:
                 ratio = report[t][key] / max(report[names[0]][key], 1e-9)
                 report[f"ratio_{key.removesuffix('_s')}_{t}_over_{names[0]}"] = ratio
         print(json.dumps({k: v for k, v in report.items() if "ratio" in k}, indent=1))
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+        return
+    if args.variants:
+        report = variants(model, data, root, args)
+        print(json.dumps(report, indent=1))
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
         return

@@ -32,17 +32,17 @@ def sync_agent(base_url, prompt, label):
     return float(len(reply.choices[0].message.content))
 
 async def editing_agent(base_url, prompt, label):
-    client = AsyncOpenAI(base_url=base_url, api_key="unused")
-    messages = [{"role": "user", "content": prompt}]
-    reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
-    messages += [{"role": "assistant", "content": "EDITED " + reply.choices[0].message.content},
-                 {"role": "user", "content": "again"}]
-    await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    async with AsyncOpenAI(base_url=base_url, api_key="unused") as client:
+        messages = [{"role": "user", "content": prompt}]
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        messages += [{"role": "assistant", "content": "EDITED " + reply.choices[0].message.content},
+                     {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
     return 1.0
 
 async def bad_reward_agent(base_url, prompt, label):
-    client = AsyncOpenAI(base_url=base_url, api_key="unused")
-    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}], max_tokens=2)
+    async with AsyncOpenAI(base_url=base_url, api_key="unused") as client:
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}], max_tokens=2)
     return float("nan")
 
 async def lazy_agent(base_url, prompt, label):

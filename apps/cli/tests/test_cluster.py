@@ -179,6 +179,22 @@ def test_a_run_joins_a_cluster_places_roles_by_node_and_resumes_as_a_job(
     assert placement["engines"]["nodes"] == [cluster["rollout"]]
 
 
+def test_without_an_address_a_run_starts_its_own_cluster_beside_a_running_one(
+    assets, tmp_path, cluster
+) -> None:
+    """A cluster already up on this machine (``ray start``, here the fixture's) is joined only
+    when named: without ``--ray.address``/``RAY_ADDRESS`` the run starts a local one (Ray's
+    ``ray.init()`` would join the running one, then refuse the CPUs we announce)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    args = ["train", "grpo", "--run_dir", str(tmp_path / "run"), *small_run(assets, steps=1)]
+    out = subprocess.run(
+        [sys.executable, "-m", "rlhf.cli", *args], capture_output=True, text=True, timeout=900,
+        env={**env, "PYTHONUNBUFFERED": "1"}, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[plan] ray: a local cluster, 1 node(s)" in out.stdout
+
+
 def test_a_node_spec_the_cluster_lacks_is_refused_without_waiting(assets, tmp_path, cluster):
     out = rlhf(
         "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=1),

@@ -81,6 +81,9 @@ def start_ray(*, address: str = "") -> Cluster:
             ray.init(address=joined, log_to_driver=False)
         else:
             ray.init(
+                # "local": a new cluster even where `ray start` left one running on this
+                # machine (ray.init would join that one, then refuse num_cpus).
+                address="local",
                 num_cpus=max(os.cpu_count() or 1, 8),
                 include_dashboard=False,
                 log_to_driver=False,

@@ -9,9 +9,11 @@ prompt sampler's position and the optimizer schedule would no longer mean the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Collection, Mapping
+from typing import Any
 
 from rlhf.cli.config import CkptConfig, ConfigError, RLConfig
 from rlhf.learner import CheckpointError, latest_checkpoint, latest_intact_checkpoint
@@ -85,36 +87,78 @@ def raise_problems(problems: list[str]) -> None:
         raise ConfigError(f"--ckpt.load_enable: {len(problems)} problems:\n{listed}")
 
 
-def check_resume(config: RLConfig, root: pathlib.Path) -> tuple[pathlib.Path | None, str]:
-    """The checkpoint to resume from (None: a new run) and one line for the plan.
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from.
+
+    Attributes:
+        path: Its directory.
+        step: The steps it has done.
+        state: Its ``trainer_state.json``.
+    """
+
+    path: pathlib.Path
+    step: int
+    state: dict[str, Any]
+
+
+def resume_point(
+    root: pathlib.Path,
+    *,
+    ckpt: CkptConfig,
+    num_steps: int,
+    steps_flag: str,
+    shape: Mapping[str, int],
+    command: str | None = None,
+) -> tuple[ResumePoint | None, str]:
+    """The checkpoint ``--ckpt.load_enable`` resumes from (None: a new run) and one line for
+    the plan saying where the run starts: chosen by `pick_checkpoint`, then refused when it
+    was written by another command (``command``; None: not recorded, unchecked), has done
+    ``num_steps`` (the flag ``steps_flag``) already, or was written with another ``shape``
+    that ``--ckpt.allow_config_change`` does not accept.
 
     Raises:
-        ConfigError: listing what keeps the checkpoint from continuing this run.
+        ConfigError: listing those problems, each naming its flag.
         CheckpointError: a checkpoint whose trainer state does not read.
     """
-    unknown = sorted(config.ckpt.allowed_changes - set(SHAPE))
+    unknown = sorted(ckpt.allowed_changes - set(shape))
     if unknown:
         raise ConfigError(
             f"--ckpt.allow_config_change names {', '.join(unknown)}, which a resume does not "
-            f"check; it checks {', '.join(SHAPE)}"
+            f"check; it checks {', '.join(shape)}"
         )
-    chosen, passed = pick_checkpoint(root, config.ckpt)
+    chosen, passed = pick_checkpoint(root, ckpt)
     if chosen is None:
         return None, f"{passed}no checkpoint under {root}: starting at step 0 (a new run)"
     try:
         state = json.loads((chosen / "trainer_state.json").read_text())
         step = int(state["step"])
+        # The RL command's checkpoints from before the shape was recorded: unchecked.
+        saved = dict(state["shape"] if command is not None else state.get("shape", {}))
+        written_by = str(state["command"]) if command is not None else None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{chosen}/trainer_state.json does not read: {exc!r}") from None
     problems = []
-    if step >= config.train.num_steps:
+    if written_by != command:
         problems.append(
-            f"{chosen.name} is at step {step}: --train.num_steps {config.train.num_steps} is "
-            "done already; raise --train.num_steps to train further"
+            f"{chosen.name} was written by `rlhf train {written_by}`, not `rlhf train "
+            f"{command}`: resume it with that command, or start a new --run_dir"
         )
-    # checkpoints from before the shape was recorded: unchecked
-    saved = state.get("shape", {})
-    allowed = config.ckpt.allowed_changes
-    problems += shape_problems(saved, run_shape(config), name=chosen.name, allowed=allowed)
+    if step >= num_steps:
+        problems.append(
+            f"{chosen.name} is at step {step}: {steps_flag} {num_steps} is done already; raise "
+            f"{steps_flag} to train further"
+        )
+    problems += shape_problems(saved, shape, name=chosen.name, allowed=ckpt.allowed_changes)
     raise_problems(problems)
-    return chosen, f"{passed}from {chosen} (step {step})"
+    return ResumePoint(chosen, step, state), f"{passed}from {chosen} (step {step})"
+
+
+def check_resume(config: RLConfig, root: pathlib.Path) -> tuple[pathlib.Path | None, str]:
+    """The RL command's `resume_point` (its flags, its `SHAPE`): the checkpoint's directory
+    (None: a new run) and the plan's line."""
+    point, line = resume_point(
+        root, ckpt=config.ckpt, num_steps=config.train.num_steps,
+        steps_flag="--train.num_steps", shape=run_shape(config),
+    )  # fmt: skip
+    return (point.path if point is not None else None), line

@@ -15,7 +15,6 @@ a run that is done already or whose batch shape differs.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import random
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 
 from rlhf.cli.config import CkptConfig, ConfigError, TrainConfig
 from rlhf.cli.metrics import Sinks, open_sinks
-from rlhf.cli.resume import pick_checkpoint, raise_problems, shape_problems
+from rlhf.cli.resume import ResumePoint, resume_point
 from rlhf.learner import CheckpointError
 
 SHAPE = ("batch_size",)
@@ -121,21 +120,6 @@ def rows_crc32(rows: Sequence[int]) -> int:
     return zlib.crc32(json.dumps(list(rows)).encode())
 
 
-@dataclasses.dataclass(frozen=True)
-class ResumePoint:
-    """The checkpoint a run resumes from.
-
-    Attributes:
-        path: Its directory.
-        step: The steps it has done.
-        state: Its ``trainer_state.json``.
-    """
-
-    path: pathlib.Path
-    step: int
-    state: dict[str, Any]
-
-
 def check_resume(
     root: pathlib.Path,
     *,
@@ -145,47 +129,12 @@ def check_resume(
     ckpt: CkptConfig,
 ) -> tuple[ResumePoint | None, str]:
     """The checkpoint ``--ckpt.load_enable`` resumes from (None: a new run) and one line for
-    the console saying where the run starts. The checkpoint is chosen as the RL command
-    chooses it (`rlhf.cli.resume.pick_checkpoint`: ``True`` needs an intact one, ``auto``
-    takes the newest intact one or none) and refused on the same grounds, with this
-    command's flags.
-
-    Raises:
-        ConfigError: listing what keeps the checkpoint from continuing this run (none there
-            under ``True``, a damaged one, written by another command, done already at
-            ``--num_steps``, another `SHAPE` that ``--ckpt.allow_config_change`` does not
-            accept), each naming its flag.
-        CheckpointError: a checkpoint whose trainer state does not read.
-    """
-    unknown = sorted(ckpt.allowed_changes - set(shape))
-    if unknown:
-        raise ConfigError(
-            f"--ckpt.allow_config_change names {', '.join(unknown)}, which a resume does not "
-            f"check; it checks {', '.join(shape)}"
-        )
-    chosen, passed = pick_checkpoint(root, ckpt)
-    if chosen is None:
-        return None, f"{passed}no checkpoint under {root}: starting at step 0 (a new run)"
-    try:
-        state = json.loads((chosen / "trainer_state.json").read_text())
-        step = int(state["step"])
-        written_by, saved = str(state["command"]), dict(state["shape"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{chosen}/trainer_state.json does not read: {exc!r}") from None
-    problems = []
-    if written_by != command:
-        problems.append(
-            f"{chosen.name} was written by `rlhf train {written_by}`, not `rlhf train "
-            f"{command}`: resume it with that command, or start a new --run_dir"
-        )
-    if step >= num_steps:
-        problems.append(
-            f"{chosen.name} is at step {step}: --num_steps {num_steps} is done already; raise "
-            "--num_steps to train further"
-        )
-    problems += shape_problems(saved, shape, name=chosen.name, allowed=ckpt.allowed_changes)
-    raise_problems(problems)
-    return ResumePoint(chosen, step, state), f"{passed}from {chosen} (step {step})"
+    the console saying where the run starts: `rlhf.cli.resume.resume_point` with this
+    command's flags (``--num_steps``; the checkpoint must be this command's)."""
+    return resume_point(
+        root, ckpt=ckpt, num_steps=num_steps, steps_flag="--num_steps", shape=shape,
+        command=command,
+    )  # fmt: skip
 
 
 def trainer_state(

@@ -121,24 +121,9 @@ def _close(backend: Any, *, kind: str) -> None:
 
 REJOINABLE = ("object_store", "shared_memory")
 """Transports whose last sync stays readable until the next one, so that an engine started
-in place of a dead one loads the very sync the others loaded (`SenderTransport.replace`).
-The others (CUDA IPC releases its buffers once every engine loaded; a broadcast group is
-formed once) load such an engine the actor's weights anew (`load_alone`), which are the
-engines' weights only while the learners do not train ahead of them (not under
-``--train.async_enable``)."""
-
-
-def load_alone(
-    engine: RayEngine, *, actor: LearnerGroup, version: int, verify: bool | str, bucket_bytes: int
-) -> int:
-    """The actor's weights, stamped ``version``, into ``engine`` alone through the object
-    store (whatever the run's transport); the sender is closed after. Returns the version."""
-    send = functools.partial(_send, kind="object_store", version=version, bucket_bytes=bucket_bytes)
-    try:
-        synced = actor.run(send)[0]
-        return engine.update_weights_from(synced, verify=verify)
-    finally:
-        actor.run(functools.partial(_close, kind="object_store"))
+in place of a dead one can load the weights the others hold (`SenderTransport.replace`).
+CUDA IPC releases its buffers once every engine loaded; a broadcast group cannot take a new
+member."""
 
 
 @dataclass
@@ -155,8 +140,6 @@ class SenderTransport:
     bucket_bytes: int
     parts: dict[str, float] = field(default_factory=dict)
     last: Any = None
-    version: int | None = None
-    """The version of the last sync (None before the first)."""
     on_engine_died: Callable[[int, RayEngine], object] | None = None
     """Called with (index, engine) for each engine found dead during a sync, once the others
     loaded it (`rlhf.cli.revive`: it starts a replacement, which loads this sync through
@@ -179,11 +162,10 @@ class SenderTransport:
                 try:
                     engine.update_weights_from(synced, verify=self.verify)
                 except RayActorError:
-                    if self.on_engine_died is None:
+                    if self.on_engine_died is None or self.kind not in REJOINABLE:
                         raise
                     dead.append((i, engine))
             loaded = time.perf_counter()
-            self.version = version
             if self.kind == "cuda_ipc":  # every engine loaded: the shared buffers may go
                 self.actor.run(functools.partial(_close, kind=self.kind))
             else:
@@ -195,19 +177,15 @@ class SenderTransport:
 
     def replace(self, index: int, engine: RayEngine) -> int:
         """Put ``engine`` in place of engine ``index`` (one that died) and load into it the
-        weights the other engines hold: the last sync again (`REJOINABLE`), else the
-        actor's weights anew (`load_alone`); returns its weight version (that of the
-        checkpoint, when no sync happened yet)."""
+        last sync, the weights the other engines hold; returns its weight version (that of
+        the checkpoint, when no sync happened yet)."""
+        if self.kind not in REJOINABLE:
+            raise ValueError(f"a {self.kind} sync cannot be loaded again into a new engine")
         with self._lock:
             self.engines[index] = engine
-            if self.version is None:
+            if self.last is None:
                 return engine.weight_version
-            if self.kind in REJOINABLE:
-                return engine.update_weights_from(self.last, verify=self.verify)
-            return load_alone(
-                engine, actor=self.actor, version=self.version, verify=self.verify,
-                bucket_bytes=self.bucket_bytes,
-            )  # fmt: skip
+            return engine.update_weights_from(self.last, verify=self.verify)
 
     def close(self) -> None:
         self.actor.run(functools.partial(_close, kind=self.kind))
@@ -239,27 +217,17 @@ def _join(backend: Any, *, spec: Any) -> None:
 @dataclass
 class BroadcastTransport:
     """The actor's rank 0 and every engine form one broadcast group (rank 0 sends, engine
-    ``i`` is rank ``i + 1``); each sync streams through it. An engine that replaces a dead
-    one (`replace`) loads the actor's weights alone, and the group is formed anew, with it,
-    before the next sync."""
+    ``i`` is rank ``i + 1``); each sync streams through it."""
 
     actor: LearnerGroup
-    engines: list[RayEngine]
+    engines: Sequence[RayEngine]
     verify: bool | str
     bucket_bytes: int
     parts: dict[str, float] = field(default_factory=dict)
-    version: int | None = None
-    """The version of the last sync (None before the first)."""
-    _regroup: bool = field(default=False, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        self._form_group()
-
-    def _form_group(self) -> None:
         import ray
 
-        self.actor.run(functools.partial(_close, kind="broadcast"))  # a former group's sender
         new = functools.partial(_new_group, world_size=1 + len(self.engines))
         spec = self.actor.run(new)[0]
         joins = [e.join_weight_group(spec, rank) for rank, e in enumerate(self.engines, 1)]
@@ -269,33 +237,14 @@ class BroadcastTransport:
     def sync(self, version: int) -> None:
         import ray
 
-        with self._lock:
-            if self._regroup:  # an engine was replaced since the last sync
-                self._form_group()
-                self._regroup = False
-            loads = [e.update_weights_from_group(verify=self.verify) for e in self.engines]
-            send = functools.partial(
-                _send, kind="broadcast", version=version, bucket_bytes=self.bucket_bytes
-            )
-            tick = time.perf_counter()
-            self.actor.run(send)  # the engines receive while it sends
-            self.parts = {"send": time.perf_counter() - tick}
-            ray.get(loads)
-            self.version = version
-
-    def replace(self, index: int, engine: RayEngine) -> int:
-        """Put ``engine`` in place of engine ``index`` (one that died), load the actor's
-        weights into it alone (`load_alone`) and form the group anew at the next sync;
-        returns its weight version."""
-        with self._lock:
-            self.engines[index] = engine
-            self._regroup = True
-            if self.version is None:
-                return engine.weight_version
-            return load_alone(
-                engine, actor=self.actor, version=self.version, verify=self.verify,
-                bucket_bytes=self.bucket_bytes,
-            )  # fmt: skip
+        loads = [e.update_weights_from_group(verify=self.verify) for e in self.engines]
+        send = functools.partial(
+            _send, kind="broadcast", version=version, bucket_bytes=self.bucket_bytes
+        )
+        tick = time.perf_counter()
+        self.actor.run(send)  # the engines receive while it sends
+        self.parts = {"send": time.perf_counter() - tick}
+        ray.get(loads)
 
     def close(self) -> None:
         self.actor.run(functools.partial(_close, kind="broadcast"))

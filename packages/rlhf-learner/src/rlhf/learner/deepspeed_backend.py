@@ -32,6 +32,7 @@ over one micro-batch: a step of several micro-batches per rank is refused (see
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import pathlib
@@ -439,10 +440,7 @@ class DeepSpeedBackend:
         if self.config.deepspeed.zero_stage == 3 and self.engine is not None:
             import deepspeed
 
-            def gathered(params: list[torch.nn.Parameter]) -> Any:
-                return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-            gather = gathered
+            gather = functools.partial(deepspeed.zero.GatheredParameters, modifier_rank=None)
         yield from merged_parameters(self._module, gather)
 
     def state_dict_on_rank0(self, *, ema: bool = False) -> dict[str, Tensor] | None:

@@ -101,7 +101,7 @@ def _steps(config, batch, objective, *, steps: int) -> tuple[list[dict], dict, l
     return outs, state, logprobs
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])  # float32 ZeRO-2 is refused (DeepSpeedConfig)
 def test_deepcompile_steps_equal_the_eager_ones(tmp_path, stage) -> None:
     """``deepspeed.deepcompile`` on one GPU, float32: three actor steps of one micro-batch
     (no clipping) give the uncompiled engine's losses and gradient norms, then the same eval

@@ -270,8 +270,14 @@ def test_options_that_cannot_combine_are_refused_in_the_config() -> None:
     with pytest.raises(ValueError, match="deepspeed.deepcompile needs deepspeed.zero_stage 1, 2"):
         DeepSpeedConfig(deepcompile=True, zero_stage=0)
     with pytest.raises(ValueError, match="deepspeed.deepcompile with deepspeed.tp_size 2"):
-        DeepSpeedConfig(deepcompile=True, tp_size=2)
+        DeepSpeedConfig(deepcompile=True, tp_size=2, bf16=True)
+    with pytest.raises(
+        ValueError, match="deepcompile with deepspeed.zero_stage 2 needs deepspeed.bf16"
+    ):
+        DeepSpeedConfig(deepcompile=True, zero_stage=2)
     for stage in (1, 2, 3):
+        assert DeepSpeedConfig(deepcompile=True, zero_stage=stage, bf16=True).deepcompile
+    for stage in (1, 3):
         assert DeepSpeedConfig(deepcompile=True, zero_stage=stage).deepcompile
     check_compiled_passes(1)
     with pytest.raises(ValueError, match=r"deepcompile: this step runs 3 micro-batches on a"):

@@ -140,9 +140,9 @@ class DeepSpeedConfig:
             lm_head. Weight syncs, HF exports and log-probs see whole tensors.
         deepcompile: Compile the model with DeepSpeed's DeepCompile (``engine.compile()``
             after initialisation), which schedules ZeRO's collectives inside the compiled
-            graph. Training roles on CUDA GPUs, ZeRO stage 1–3, ``tp_size`` 1, one
-            micro-batch per rank and optimizer step (DeepCompile's accumulation over several
-            was measured wrong); an eval-only role runs uncompiled.
+            graph. Training roles on CUDA GPUs, ZeRO stage 1–3 (stage 2 in bf16 only),
+            ``tp_size`` 1, one micro-batch per rank and optimizer step (DeepCompile's
+            accumulation over several was measured wrong); an eval-only role runs uncompiled.
     """
 
     zero_stage: int = 2
@@ -179,6 +179,13 @@ class DeepSpeedConfig:
                 "deepspeed.deepcompile needs deepspeed.zero_stage 1, 2 or 3 (DeepSpeed "
                 "compiles ZeRO's collectives into the graph; at stage 0 it would fall back to "
                 "plain torch.compile)"
+            )
+        if self.deepcompile and self.zero_stage == 2 and not self.bf16:
+            raise ValueError(
+                "deepspeed.deepcompile with deepspeed.zero_stage 2 needs deepspeed.bf16 True: "
+                "in float32 DeepSpeed 0.19.8's compiled ZeRO-2 step aborts the process "
+                "(DeepCompile's reduce buckets, measured on an H100); set deepspeed.bf16 True, "
+                "or zero_stage 1 or 3"
             )
         if self.deepcompile and self.tp_size > 1:
             raise ValueError(

@@ -150,7 +150,7 @@ def test_deepspeed_states_after_a_step_are_what_the_planner_counts(stage, tmp_pa
     assert counted == (12 if stage == 0 else 16) * shape.params
 
 
-def test_estimates_are_within_15_percent_of_the_peaks_measured_on_an_h200(tmp_path):
+def test_estimates_are_within_15_percent_of_the_peaks_measured_on_gpus(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_capacity import CASES, estimate
     from bench_learner import SCALES
@@ -221,6 +221,9 @@ def test_dry_run_of_ppo_places_critic_reference_and_reward_model_as_the_run_does
         "train", "ppo", "--dry_run", "True", "--actor.model.path", str(model),
         "--train.reward_model_path", str(rm), "--train.colocate_critic_reward", "True",
         "--actor.deepspeed.bf16", "True", "--critic.deepspeed.bf16", "True",
+        # Optimizers on the host: each rank's peak is its backward's, with activations.
+        "--actor.deepspeed.offload_optimizer", "True",
+        "--critic.deepspeed.offload_optimizer", "True",
         "--plan.gpu_memory_gib", "200", timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -289,6 +292,28 @@ def test_the_70b_layout_in_the_readme_fits_as_written(tmp_path):
     assert "64 GPU(s) of 140 GiB" in done.stdout and "8 node(s)" in done.stdout
 
 
+def test_a_bf16_rank_with_few_activations_peaks_in_its_optimizer_step(tmp_path):
+    """One bf16 ZeRO-2 rank: the step holds weights 2, masters and Adam 12, the bf16 gradient
+    partition 2 and its float32 copy plus AdamW's temporary 8 bytes per parameter (24 in
+    all), more than a short checkpointed backward; a long micro-batch peaks in the backward;
+    with the optimizer on the host there is no step on the device."""
+    from rlhf.learner import DeepSpeedConfig
+
+    model = _config_dir(tmp_path, "m", **LLAMA_8B)
+    shape = ModelShape.read(model, flag="--actor.model.path")
+    ds = DeepSpeedConfig(bf16=True)
+    role = RoleConfig(deepspeed=ds)
+    short = learner_memory(role, shape, tokens=256, trains=True, outputs=shape.vocab)
+    assert short.parts["optimizer step"] == 8 * shape.params
+    assert "activations" not in short.parts
+    assert sum(short.parts.values()) == 24 * shape.params
+    long = learner_memory(role, shape, tokens=32768, trains=True, outputs=shape.vocab)
+    assert "optimizer step" not in long.parts and long.parts["activations"] > 8 * shape.params
+    host = RoleConfig(deepspeed=DeepSpeedConfig(bf16=True, offload_optimizer=True))
+    offloaded = learner_memory(host, shape, tokens=256, trains=True, outputs=shape.vocab)
+    assert "optimizer step" not in offloaded.parts
+
+
 def test_one_layer_scale_is_linear_in_the_micro_batch(tmp_path):
     """Activations grow with the micro-batch's tokens; the model states do not."""
     model = _config_dir(tmp_path, "m", **LLAMA_8B)
@@ -301,7 +326,7 @@ def test_one_layer_scale_is_linear_in_the_micro_batch(tmp_path):
     assert large.allocated > small.allocated > 16 * shape.params  # float32 ZeRO-2 states
 
 
-def test_kv_cache_estimate_is_within_15_percent_of_what_vllm_allocated_on_an_h200(tmp_path):
+def test_kv_cache_estimate_is_within_15_percent_of_what_vllm_allocated_on_gpus(tmp_path):
     """The KV-cache tokens of `rlhf.cli.dry_run.engine_load` against ``num_gpu_blocks x
     block_size`` of a real engine (bench_capacity.py --engines) with the same options."""
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -22,6 +22,9 @@ ZeRO-3                        ``2p / dp`` + the    ``12p / dp``        ``2p / dp
 ``offload_optimizer``         as above             0 (host)            one reduce bucket
 ============================  ===================  ==================  ==================
 
+A bf16 rank's peak is the larger of the backward's (the table and the activations) and the
+optimizer step's (the table without activations, plus ``8t / dp``: `STEP_BYTES_PER_PARAM`).
+
 In float32 (``w`` 4) ZeRO-1/2/3 still keep their own flat float32 partitions beside the
 model's weights (``16p`` in all at ZeRO-2, one rank); ZeRO-0 steps torch's AdamW on the
 weights themselves (``12p``).
@@ -49,6 +52,14 @@ at the backward's peak (bf16 logits and their gradient, and a float32 chunk)."""
 FORWARD_LOGITS_BYTES_PER_VOCAB = 3.5
 """Fitted: the same for a forward without gradient (the reference's log-probs: bf16 logits
 and a float32 chunk of the log-softmax)."""
+
+STEP_BYTES_PER_PARAM = 8
+"""Structural, checked against held-out peaks: besides the weights, the optimizer states and the
+bf16 gradient partition, a DeepSpeed bf16 rank's optimizer step holds a float32 copy of its
+gradient partition (4 bytes per trained parameter) and one float32 temporary of AdamW's update
+(4): ``8t / dp``. With few activations (gradient checkpointing, one row) this, not the
+backward, is the rank's peak: 24 bytes per parameter at 1.5B on one rank (34.57 GiB measured
+alike at one row, two and four checkpointed rows)."""
 
 FLOOR_BYTES = int(0.064 * GIB)
 """Measured: what torch's allocator holds in every process once a matmul ran (cuBLAS
@@ -200,16 +211,25 @@ def deepspeed_memory(
         states = 0.0
     if offload_params:
         host += w * p / dp
-    return Memory(
-        parts={
+    backward = {
+        "weights": weights,
+        "gathered layers": gathered,
+        "optimizer states": states,
+        "gradients": gradients,
+        "activations": load.activations(),
+    }
+    parts = backward
+    if load.trains and states and w == 2 and zero_stage >= 1:
+        # The optimizer step, after the activations are freed: the larger of the two peaks.
+        step = {
             "weights": weights,
-            "gathered layers": gathered,
             "optimizer states": states,
             "gradients": gradients,
-            "activations": load.activations(),
-        },
-        host=host,
-    )
+            "optimizer step": STEP_BYTES_PER_PARAM * t / dp,
+        }
+        if sum(step.values()) > sum(backward.values()):
+            parts = step
+    return Memory(parts=parts, host=host)
 
 
 def molt_memory(

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from rlhf.learner import latest_checkpoint
 
 from .conftest import rlhf, small_run
@@ -27,10 +29,11 @@ def _wait_for(predicate, *, timeout: float, proc: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
-def _kill_after_two_steps(assets, run_dir, role: str, *, timeout: float):
+def _kill_after_two_steps(assets, run_dir, role: str, *, timeout: float, extra=()):
     """Start an 8-step run, kill -9 the first process of ``role`` once step 2's checkpoint
     is saved, and wait for the run to end: (the run's flags, returncode, stdout, stderr)."""
-    flags = ["--run_dir", str(run_dir), *small_run(assets, steps=8), "--ckpt.save_steps", "1"]
+    flags = ["--run_dir", str(run_dir), *small_run(assets, steps=8), "--ckpt.save_steps", "1",
+             *extra]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf.cli", "train", "grpo", *flags],
@@ -56,9 +59,14 @@ def _kill_after_two_steps(assets, run_dir, role: str, *, timeout: float):
     return flags, proc.returncode, out, err
 
 
-def test_a_killed_engine_is_restarted_and_the_run_finishes(assets, tmp_path):
+@pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
+def test_a_killed_engine_is_restarted_and_the_run_finishes(assets, tmp_path, transport):
+    """shared_memory keeps the last sync for the new engine; over a broadcast group the new
+    engine loads the actor's weights alone, or the sync that found it dead, and the group is
+    formed anew with it."""
     run_dir = tmp_path / "run"
-    _, code, out, err = _kill_after_two_steps(assets, run_dir, "engines", timeout=600)
+    extra = ("--train.weight_transport", transport)
+    _, code, out, err = _kill_after_two_steps(assets, run_dir, "engines", timeout=600, extra=extra)
     assert code == 0, err[-3000:] + out[-3000:]
     faults = [x for x in out.splitlines() if x.startswith("[fault]")]
     assert len(faults) == 1, out[-3000:]
@@ -76,10 +84,16 @@ def test_a_killed_engine_is_restarted_and_the_run_finishes(assets, tmp_path):
     assert steps[-1]["rollout/engine_restarts"] == 1.0
     assert [r["rollout/engine_restarts"] for r in steps[:2]] == [0.0, 0.0]
     # The new engine loaded the version it was restarted at, then every later sync
-    # (versions version+1 … 8): 9 - version loads, over the transport of the run.
+    # (versions version+1 … 8) over the run's transport; every load was verified.
     sync = json.loads((run_dir / "sync.json").read_text())
-    assert sync["transport"] == "shared_memory"
-    assert sync["engines_loaded"][0] == {"shared_memory": 9 - version}
+    assert sync["transport"] == transport
+    if transport == "shared_memory":  # the last sync again, then the later ones
+        assert sync["engines_loaded"][0] == {"shared_memory": 9 - version}
+    else:
+        # Found dead by the pool: the actor's weights alone through the object store, then
+        # the re-formed group; found by a sync: that sync and the later ones by the group.
+        loaded = sync["engines_loaded"][0]
+        assert loaded in ({"object_store": 1, "broadcast": 8 - version}, {"broadcast": 9 - version})
 
 
 def test_a_killed_learner_rank_stops_the_run_with_the_command_that_resumes_it(assets, tmp_path):
@@ -116,8 +130,12 @@ def test_a_dead_engine_stops_the_run_where_it_cannot_rejoin(tmp_path):
 
     assert why_not_revivable("shared_memory", gpu=False, colocated=False) is None
     assert why_not_revivable("object_store", gpu=True, colocated=False) is None
-    assert "broadcast" in why_not_revivable("broadcast", gpu=False, colocated=False)
-    assert "cuda_ipc" in why_not_revivable("cuda_ipc", gpu=True, colocated=True)
+    assert why_not_revivable("broadcast", gpu=False, colocated=False) is None
+    assert why_not_revivable("cuda_ipc", gpu=True, colocated=False) is None
+    assert why_not_revivable("shared_memory", gpu=False, colocated=False, asynchronous=True) is None
+    ahead = why_not_revivable("broadcast", gpu=False, colocated=False, asynchronous=True)
+    assert "broadcast" in ahead and "--train.async_enable" in ahead
+    assert "colocate_all" in why_not_revivable("cuda_ipc", gpu=True, colocated=True)
     assert "colocate_all" in why_not_revivable("object_store", gpu=True, colocated=True)
 
 
@@ -193,6 +211,102 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
         asyncio.run(pool.generate_group([5, 6, 7], greedy, n=4))
         assert pool.restarts == 0 and reviver.restarts == 1
     finally:
+        for e in roles.engines:
+            e.shutdown()
+        ray.shutdown()
+
+
+def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(assets):
+    """Over a gloo broadcast group (the actor's rank 0 in this process): an engine dead
+    before a sync is found by the sync, restarted and sent that sync in a group formed anew;
+    an engine killed while the sync streams (after its first bucket) ends the sender's
+    broadcast, the live engine's receive is ended at once (not after the group's 300 s
+    timeout), the dead one is restarted and the sync is sent again. Both engines then hold
+    each sync's weights (verified loads), and sample alike."""
+    import types
+
+    import ray
+    import torch
+    from ray.exceptions import RayActorError
+    from safetensors.torch import load_file
+
+    from rlhf.agents import SamplingParams
+    from rlhf.cli.revive import EngineReviver
+    from rlhf.cli.roles import EngineLaunch, Roles
+    from rlhf.cli.sync import BroadcastTransport
+    from rlhf.rollout import EngineConfig, EnginePool
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    config = EngineConfig(model=str(assets["model"]), dtype="float32", max_model_len=64)
+    launch = EngineLaunch(config, num_engines=2, num_cpus=0.5, num_gpus=0.0, scheduling=None)
+    engines = launch.start()
+    pool = EnginePool(engines)
+    roles = Roles(engines, pool, None, None, None, None, None, None, launch=launch)  # type: ignore[arg-type]
+    transport = None
+    try:
+        state = load_file(str(assets["model"] / "model.safetensors"))
+        gen = torch.Generator().manual_seed(5)
+        weights = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+        kill_after_first: list = []  # an engine to kill once the next stream's first bucket left
+
+        def named_full_parameters():
+            for n, (name, tensor) in enumerate(weights.items()):
+                if n == 1 and kill_after_first:
+                    ray.kill(kill_after_first.pop().handle, no_restart=True)
+                yield name, tensor
+
+        rank0 = types.SimpleNamespace(
+            rank=0, device=torch.device("cpu"), named_full_parameters=named_full_parameters
+        )
+        actor = types.SimpleNamespace(run=lambda fn: [fn(rank0)])
+        transport = BroadcastTransport(actor, roles.engines, True, 1 << 14)  # type: ignore[arg-type]
+        # A live engine's receive must end once the actor leaves the group; one that waited
+        # out the group's 300 s timeout would fail the sync here.
+        transport.answer_timeout_s = 30.0
+        lines: list[str] = []
+        driver = types.SimpleNamespace(roles=roles, transport=transport, echo=lines.append)
+        reviver = EngineReviver(driver)  # type: ignore[arg-type]
+        transport.on_engine_died = reviver.restart
+
+        first = engines[0]
+        ray.kill(first.handle, no_restart=True)
+        deadline = time.monotonic() + 60
+        while True:  # Ray kills asynchronously: dead before the sync starts
+            try:
+                first.weight_version  # noqa: B018
+            except RayActorError:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        transport.sync(3)
+        assert roles.engines[0] is not first and pool.engines[0] is roles.engines[0]
+        assert [e.weight_version for e in roles.engines] == [3, 3]
+        assert roles.engines[0].weight_loads() == {"broadcast": 1}  # this sync, by the group
+        assert len(lines) == 1 and lines[0].startswith(
+            "[fault] vLLM engine 0 died under the run; restarted and re-synced to version 3"
+        )
+
+        second = roles.engines[1]
+        weights = {k: v + 0.1 for k, v in weights.items()}
+        kill_after_first.append(second)
+        transport.sync(4)
+        assert roles.engines[1] is not second and reviver.restarts == 2
+        assert [e.weight_version for e in roles.engines] == [4, 4]
+        assert roles.engines[1].weight_loads() == {"broadcast": 1}
+        assert roles.engines[0].weight_loads() == {"broadcast": 2}  # 3, then 4 (sent twice)
+        assert lines[1].startswith(
+            "[fault] vLLM engine 1 died under the run; restarted and re-synced to version 4"
+        )
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+        async def both():
+            return await asyncio.gather(*(e.generate([5, 6, 7], greedy) for e in roles.engines))
+
+        a, b = asyncio.run(both())
+        assert a.token_ids == b.token_ids  # the same weights in both
+    finally:
+        if transport is not None:
+            transport.close()
         for e in roles.engines:
             e.shutdown()
         ray.shutdown()

@@ -11,10 +11,16 @@ version the other engines hold, `rlhf.cli.sync.SenderTransport.replace`), and a 
 line says so; the pool re-issues the lost requests. Each step's metrics row carries
 ``rollout/engine_restarts`` (engines restarted since the run started).
 
-Where the engine cannot rejoin, the death still stops the run with the command that resumes
-it (`rlhf.cli.faults`): over a broadcast group (it cannot take a new member) or CUDA IPC (its
-buffers go once every engine loaded), and under ``--train.colocate_all`` on GPUs (the engines
-sleep and wake in turn with the learners). Pausing engines for a sync
+Over a broadcast group or CUDA IPC, whose last sync cannot be loaded again, an engine
+restarted between syncs loads the actor's weights alone through the object store
+(`rlhf.cli.sync.load_alone`; a broadcast group is formed anew, with it, before the next sync).
+A broadcast sync finds dead engines itself, before it sends or when its send fails; it ends
+the live engines' receive, restarts the dead ones, forms the group anew and sends again
+(`rlhf.cli.sync.BroadcastTransport`). The actor's weights are the other
+engines' only while the learners do not train ahead of them, so there, under
+``--train.async_enable``, the death still stops the run with the command that resumes it
+(`rlhf.cli.faults`); so does it under ``--train.colocate_all`` on GPUs (the engines sleep and
+wake in turn with the learners). Pausing engines for a sync
 (``--train.partial_rollout_enable``) still stops the run on a dead engine.
 """
 
@@ -27,18 +33,23 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from rlhf.cli.metrics import MetricsSink
-from rlhf.cli.sync import REJOINABLE, SenderTransport
+from rlhf.cli.sync import REJOINABLE, BroadcastTransport, SenderTransport
 
 if TYPE_CHECKING:
     from rlhf.cli.rl import RLDriver
     from rlhf.rollout import RayEngine
 
 
-def why_not_revivable(kind: str, *, gpu: bool, colocated: bool) -> str | None:
+def why_not_revivable(
+    kind: str, *, gpu: bool, colocated: bool, asynchronous: bool = False
+) -> str | None:
     """Why a dead engine stops the run under weight transport ``kind``, or None: it is
     revived."""
-    if kind not in REJOINABLE:
-        return f"the {kind} weight transport cannot sync a new engine alone"
+    if kind not in REJOINABLE and asynchronous:
+        return (
+            f"the {kind} weight transport cannot load a new engine the other engines' weights "
+            "while the learners train ahead of them (--train.async_enable)"
+        )
     if gpu and colocated:
         return "engines take turns with the learners on their GPUs (--train.colocate_all)"
     return None
@@ -71,7 +82,7 @@ class EngineReviver:
         already in its place when another caller restarted it first."""
         roles, transport = self.driver.roles, self.driver.transport
         assert roles.launch is not None
-        assert isinstance(transport, SenderTransport)
+        assert isinstance(transport, (SenderTransport, BroadcastTransport))
         with self._lock:
             if roles.engines[index] is not dead:
                 return roles.engines[index]
@@ -114,13 +125,16 @@ def enable_revival(
     """Give the run's pool the hook that revives its engines and count the revivals in the
     step rows, where the weight transport ``kind`` allows it; else say once that a dead
     engine stops the run."""
-    why = why_not_revivable(kind, gpu=gpu, colocated=driver.config.train.colocate_all)
+    train = driver.config.train
+    why = why_not_revivable(
+        kind, gpu=gpu, colocated=train.colocate_all, asynchronous=train.async_enable
+    )
     if why is not None or driver.roles.launch is None:
         echo(f"[plan] faults: a dead vLLM engine stops the run ({why or 'no launch recorded'})")
         return
     reviver = EngineReviver(driver)
     driver.roles.pool.revive = reviver
-    assert isinstance(driver.transport, SenderTransport)
+    assert isinstance(driver.transport, (SenderTransport, BroadcastTransport))
     driver.transport.on_engine_died = reviver.restart
     driver.log = RestartsInSteps(driver.log, reviver)
     echo("[plan] faults: a dead vLLM engine is restarted and re-synced")

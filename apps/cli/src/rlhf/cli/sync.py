@@ -121,9 +121,24 @@ def _close(backend: Any, *, kind: str) -> None:
 
 REJOINABLE = ("object_store", "shared_memory")
 """Transports whose last sync stays readable until the next one, so that an engine started
-in place of a dead one can load the weights the others hold (`SenderTransport.replace`).
-CUDA IPC releases its buffers once every engine loaded; a broadcast group cannot take a new
-member."""
+in place of a dead one loads the very sync the others loaded (`SenderTransport.replace`).
+The others (CUDA IPC releases its buffers once every engine loaded; a broadcast group is
+formed once) load such an engine the actor's weights anew (`load_alone`), which are the
+engines' weights only while the learners do not train ahead of them (not under
+``--train.async_enable``)."""
+
+
+def load_alone(
+    engine: RayEngine, *, actor: LearnerGroup, version: int, verify: bool | str, bucket_bytes: int
+) -> int:
+    """The actor's weights, stamped ``version``, into ``engine`` alone through the object
+    store (whatever the run's transport); the sender is closed after. Returns the version."""
+    send = functools.partial(_send, kind="object_store", version=version, bucket_bytes=bucket_bytes)
+    try:
+        synced = actor.run(send)[0]
+        return engine.update_weights_from(synced, verify=verify)
+    finally:
+        actor.run(functools.partial(_close, kind="object_store"))
 
 
 @dataclass
@@ -140,6 +155,8 @@ class SenderTransport:
     bucket_bytes: int
     parts: dict[str, float] = field(default_factory=dict)
     last: Any = None
+    version: int | None = None
+    """The version of the last sync (None before the first)."""
     on_engine_died: Callable[[int, RayEngine], object] | None = None
     """Called with (index, engine) for each engine found dead during a sync, once the others
     loaded it (`rlhf.cli.revive`: it starts a replacement, which loads this sync through
@@ -162,10 +179,11 @@ class SenderTransport:
                 try:
                     engine.update_weights_from(synced, verify=self.verify)
                 except RayActorError:
-                    if self.on_engine_died is None or self.kind not in REJOINABLE:
+                    if self.on_engine_died is None:
                         raise
                     dead.append((i, engine))
             loaded = time.perf_counter()
+            self.version = version
             if self.kind == "cuda_ipc":  # every engine loaded: the shared buffers may go
                 self.actor.run(functools.partial(_close, kind=self.kind))
             else:
@@ -177,15 +195,19 @@ class SenderTransport:
 
     def replace(self, index: int, engine: RayEngine) -> int:
         """Put ``engine`` in place of engine ``index`` (one that died) and load into it the
-        last sync, the weights the other engines hold; returns its weight version (that of
-        the checkpoint, when no sync happened yet)."""
-        if self.kind not in REJOINABLE:
-            raise ValueError(f"a {self.kind} sync cannot be loaded again into a new engine")
+        weights the other engines hold: the last sync again (`REJOINABLE`), else the
+        actor's weights anew (`load_alone`); returns its weight version (that of the
+        checkpoint, when no sync happened yet)."""
         with self._lock:
             self.engines[index] = engine
-            if self.last is None:
+            if self.version is None:
                 return engine.weight_version
-            return engine.update_weights_from(self.last, verify=self.verify)
+            if self.kind in REJOINABLE:
+                return engine.update_weights_from(self.last, verify=self.verify)
+            return load_alone(
+                engine, actor=self.actor, version=self.version, verify=self.verify,
+                bucket_bytes=self.bucket_bytes,
+            )  # fmt: skip
 
     def close(self) -> None:
         self.actor.run(functools.partial(_close, kind=self.kind))
@@ -217,37 +239,163 @@ def _join(backend: Any, *, spec: Any) -> None:
 @dataclass
 class BroadcastTransport:
     """The actor's rank 0 and every engine form one broadcast group (rank 0 sends, engine
-    ``i`` is rank ``i + 1``); each sync streams through it."""
+    ``i`` is rank ``i + 1``); each sync streams through it.
+
+    A dead engine is found by the sync itself, before it sends (each engine answers a cheap
+    call) or while it sends (rank 0's send fails). Rank 0 then leaves the group, which ends
+    the live engines' receive at once (a gloo receive would otherwise wait for the group's
+    timeout), ``on_engine_died`` starts a new engine in each dead one's place (`replace`),
+    the group is formed anew and the sync is sent again. Without ``on_engine_died`` the
+    dead engine's `rlhf.rollout.EngineDiedError` stops the run. An engine replaced between
+    syncs (found dead by the pool) loads the actor's weights alone (`load_alone`) and joins
+    the group formed anew at the next sync.
+    """
 
     actor: LearnerGroup
-    engines: Sequence[RayEngine]
+    engines: list[RayEngine]
     verify: bool | str
     bucket_bytes: int
     parts: dict[str, float] = field(default_factory=dict)
+    version: int | None = None
+    """The version of the last sync (None before the first)."""
+    on_engine_died: Callable[[int, RayEngine], object] | None = None
+    """Called with (index, engine) for an engine found dead by a sync (`rlhf.cli.revive`):
+    it starts a replacement and puts it in place through `replace`; None: the death stops
+    the sync."""
+    answer_timeout_s: float = 60.0
+    """How long a sync waits for an engine to answer the liveness call, and for a live
+    engine's receive to end once rank 0 left the group."""
+    _regroup: bool = field(default=False, repr=False)
+    _sending: int | None = field(default=None, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def __post_init__(self) -> None:
+        self._form_group()
+
+    def _form_group(self) -> None:
         import ray
 
+        self.actor.run(functools.partial(_close, kind="broadcast"))  # a former group's sender
         new = functools.partial(_new_group, world_size=1 + len(self.engines))
         spec = self.actor.run(new)[0]
         joins = [e.join_weight_group(spec, rank) for rank, e in enumerate(self.engines, 1)]
         self.actor.run(functools.partial(_join, spec=spec))
         ray.get(joins)
 
-    def sync(self, version: int) -> None:
+    def _dead(self, refs: Sequence[Any], *, must_end: bool) -> list[int]:
+        """Indices of the engines whose call ``refs[i]`` ended with the actor's death
+        (answers and other errors count as alive; so does a call still running after
+        ``answer_timeout_s``, unless ``must_end``).
+
+        Raises:
+            WeightSyncError: with ``must_end``, an engine whose receive did not end.
+        """
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from rlhf.weights import WeightSyncError
+
+        dead = []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=self.answer_timeout_s)
+            except RayActorError:
+                dead.append(i)
+            except GetTimeoutError:
+                if must_end:
+                    raise WeightSyncError(
+                        f"vLLM engine {i} was still receiving {self.answer_timeout_s:.0f} s "
+                        "after the actor left the broadcast group"
+                    ) from None
+            except Exception:  # a live engine's ended receive
+                continue
+        return dead
+
+    def _revive(self, dead: Sequence[int], cause: BaseException | None = None) -> None:
+        """Engines ``dead`` replaced through ``on_engine_died`` (which calls `replace`), or
+        the first one's `EngineDiedError` raised."""
+        from ray.exceptions import ActorDiedError
+
+        for i in dead:
+            engine = self.engines[i]
+            if self.on_engine_died is None:
+                raise engine.died(cause or ActorDiedError()) from cause
+            self.on_engine_died(i, engine)
+
+    def _broadcast(self, version: int) -> None:
+        """One sync over the group (formed anew first when an engine was replaced).
+
+        Raises:
+            _MemberDiedError: an engine died during it; rank 0 has left the group and every live
+                engine's receive has ended.
+        """
         import ray
 
+        if self._regroup:
+            self._form_group()
+            self._regroup = False
         loads = [e.update_weights_from_group(verify=self.verify) for e in self.engines]
         send = functools.partial(
             _send, kind="broadcast", version=version, bucket_bytes=self.bucket_bytes
         )
         tick = time.perf_counter()
-        self.actor.run(send)  # the engines receive while it sends
-        self.parts = {"send": time.perf_counter() - tick}
-        ray.get(loads)
+        try:
+            self.actor.run(send)  # the engines receive while it sends
+            self.parts = {"send": time.perf_counter() - tick}
+            ray.get(loads)
+        except Exception as exc:
+            self.actor.run(functools.partial(_close, kind="broadcast"))  # ends the receives
+            self._regroup = True
+            dead = self._dead(loads, must_end=True)
+            if not dead:
+                raise
+            raise _MemberDiedError(dead) from exc
+
+    def sync(self, version: int) -> None:
+        with self._lock:
+            self._sending = version
+            try:
+                self._revive(self._dead([e.ready() for e in self.engines], must_end=False))
+                try:
+                    self._broadcast(version)
+                except _MemberDiedError as died:  # once more, with the replacements
+                    self._revive(died.indices, died.__cause__)
+                    try:
+                        self._broadcast(version)
+                    except _MemberDiedError as again:
+                        engine = self.engines[again.indices[0]]
+                        raise engine.died(again.__cause__ or again) from again
+            finally:
+                self._sending = None
+            self.version = version
+
+    def replace(self, index: int, engine: RayEngine) -> int:
+        """Put ``engine`` in place of engine ``index`` (one that died) and form the group
+        anew before the next broadcast; during a sync that broadcast brings it the sync's
+        version, else it loads the actor's weights alone now (`load_alone`). Returns the
+        version it holds (or is being sent)."""
+        with self._lock:
+            self.engines[index] = engine
+            self._regroup = True
+            if self._sending is not None:
+                return self._sending
+            if self.version is None:
+                return engine.weight_version
+            return load_alone(
+                engine, actor=self.actor, version=self.version, verify=self.verify,
+                bucket_bytes=self.bucket_bytes,
+            )  # fmt: skip
 
     def close(self) -> None:
         self.actor.run(functools.partial(_close, kind="broadcast"))
+
+
+class _MemberDiedError(Exception):
+    """Engines (by index) that died during a broadcast."""
+
+    def __init__(self, indices: list[int]) -> None:
+        super().__init__(f"engines {indices} died during the weight broadcast")
+        self.indices = indices
 
 
 _SYNC_PARTS = ("receive", "validate", "load", "verify")

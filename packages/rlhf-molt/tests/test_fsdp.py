@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import pathlib
 
@@ -142,31 +143,58 @@ class _Planted:
         return (open, (self.marker, "w"))
 
 
-def test_a_checkpoint_that_would_run_code_is_refused_unread(group, tiny, tmp_path) -> None:
-    import io
+def _rewrite_manifest(path: str) -> None:
+    """A hostile checkpoint comes with a manifest that matches it."""
+    complete = pathlib.Path(path) / "COMPLETE"
+    complete.write_text(json.dumps({"step": 1, "files": ckpt.manifest(path)}))
+
+
+def test_dcp_files_hold_no_pickle_and_a_forged_one_is_refused_unread(group, tiny, tmp_path):
+    """The DCP state is safetensors (tensor chunks) and JSON (the description, optimizer
+    hyper-parameters); a pickled ``.metadata`` in its place, a forged class in a value and
+    an unknown dtype are refused, naming the file, and nothing of them runs."""
     import pickle
 
-    from rlhf.molt.safe_dcp import SafeLoadPlanner
+    from safetensors import safe_open
+
+    from rlhf.molt import dcp_files
 
     group.build(config(tiny), backend=MOLT)
     path = group.save(str(tmp_path / "ckpt"), 1, client_state={"step": 1}, keep=2)
+    backend = pathlib.Path(path) / "backend"
+    files = sorted(f.name for f in backend.iterdir())
+    assert files == ["__0.safetensors", "__1.safetensors", "metadata.json", "schedule.json"]
+    document = json.loads((backend / "metadata.json").read_text())
+    values = {}
+    for name in ("__0.safetensors", "__1.safetensors"):
+        with safe_open(str(backend / name), framework="pt") as stored:  # parses: no pickle
+            values.update(json.loads(stored.metadata()["rlhf.dcp.items"]))
+    betas = next(v for k, v in values.items() if k.endswith(".betas@"))
+    assert json.loads(betas) == {"$tuple": list(config(tiny).optimizer.betas)}  # still a tuple
+    assert document["items"]["model.model.embed_tokens.weight"]["dtype"] == "float32"
+
     marker = tmp_path / "ran"
-    (pathlib.Path(path) / "backend" / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
-    # A hostile checkpoint comes with a manifest that matches it.
-    complete = pathlib.Path(path) / "COMPLETE"
-    complete.write_text(json.dumps({"step": 1, "files": ckpt.manifest(path)}))
+    original = (backend / "metadata.json").read_text()
+    (backend / "metadata.json").unlink()
+    (backend / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    _rewrite_manifest(path)
     group.build(config(tiny), backend=MOLT)
-    with pytest.raises(
-        CheckpointError, match=r"\.metadata refers to (io|builtins)\.open, which DCP .* refusing"
-    ):
+    with pytest.raises(CheckpointError, match=r"DCP state in torch's pickle format"):
         group.load(path)
-    # A non-tensor item (optimizer hyper-parameters ride as pickled bytes) gets the same check.
-    planted = io.BytesIO()
-    torch.save(_Planted(str(marker)), planted)
-    planted.seek(0)
+    (backend / ".metadata").unlink()
+
+    forged = json.loads(original)
+    forged["items"]["model.model.embed_tokens.weight"]["dtype"] = "system"
+    (backend / "metadata.json").write_text(json.dumps(forged))
+    _rewrite_manifest(path)
+    with pytest.raises(CheckpointError, match=r"metadata.json names dtype 'system'"):
+        group.load(path)
+    (backend / "metadata.json").write_text(original)
+
     item = type("Item", (), {"dest_index": type("Index", (), {"fqn": "optim.param_groups"})})
-    with pytest.raises(CheckpointError, match=r"'optim.param_groups' holds more than tensors"):
-        SafeLoadPlanner().load_bytes(item, planted)
+    planted = json.dumps({"$object": "builtins.open", "fields": {"file": str(marker)}})
+    with pytest.raises(CheckpointError, match=r"'optim.param_groups' is not a readable value"):
+        dcp_files.JsonLoadPlanner().load_bytes(item, io.BytesIO(planted.encode()))
     assert not marker.exists()
 
 

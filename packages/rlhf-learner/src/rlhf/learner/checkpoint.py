@@ -15,7 +15,7 @@ Layout under a run's checkpoint root::
 Nothing in it is a pickle of ours: our files are JSON and safetensors, and the DeepSpeed
 backend writes DeepSpeed's state files (under DeepSpeed's names) as safetensors with a JSON
 skeleton (`rlhf.learner.state_codec`), so reading a checkpoint runs no code. The molt
-backend's DCP files are torch's format, read through ``rlhf.molt.safe_dcp``'s checks.
+backend's DCP files are safetensors and JSON as well (``rlhf.molt.dcp_files``).
     .staging-step-00000012/   being written; never read
 
 A checkpoint becomes visible only through ``os.replace`` of its finished staging directory, so

@@ -363,12 +363,12 @@ class FSDPBackend:
     def save_checkpoint(self, directory: str, *, client_state: Mapping[str, Any]) -> None:
         """Write the DCP state (model and optimizer shards), the schedule and this rank's RNG
         (all ranks call it)."""
-        from torch.distributed.checkpoint.state_dict_saver import save
+        from rlhf.molt import dcp_files
 
         if self.optimizer is None:
             return  # an eval-only role is rebuilt from its model path
         backend = pathlib.Path(directory) / "backend"
-        save(self._dcp_state(), checkpoint_id=str(backend))
+        dcp_files.save(self._dcp_state(), directory=str(backend))
         if self.rank == 0:  # the driver's client_state goes to trainer_state.json (finalize)
             schedule = {"scheduler": self.scheduler.state_dict()}
             (backend / _SCHEDULE_FILE).write_text(json.dumps(schedule))
@@ -381,20 +381,29 @@ class FSDPBackend:
         `save_checkpoint` wrote; returns the driver's trainer state."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        from rlhf.molt.safe_dcp import safe_load
+        from rlhf.molt import dcp_files
 
         state = ckpt.validate(directory, self.fingerprint())
         if self.optimizer is None:
             return state
         backend = pathlib.Path(directory) / "backend"
-        if not (backend / ".metadata").is_file() or not (backend / _SCHEDULE_FILE).is_file():
+        if (backend / ".metadata").is_file() and not (backend / dcp_files.METADATA_FILE).exists():
+            raise CheckpointError(
+                f"checkpoint {directory} holds DCP state in torch's pickle format (backend/"
+                ".metadata), which this version does not read: a checkpoint from elsewhere "
+                "could run code on load. Resume only from checkpoints this project wrote"
+            )
+        if (
+            not (backend / dcp_files.METADATA_FILE).is_file()
+            or not (backend / _SCHEDULE_FILE).is_file()
+        ):
             raise CheckpointError(
                 f"checkpoint {directory} holds no FSDP (DCP) state in backend/: it was written "
                 "by another backend (resume it with that backend, e.g. --actor.backend "
                 "deepspeed) or is incomplete"
             )
         loaded = self._dcp_state(to_load=True)
-        safe_load(loaded, directory=str(backend))
+        dcp_files.load(loaded, directory=str(backend))
         schedule = json.loads((backend / _SCHEDULE_FILE).read_text())
         if isinstance(self.optimizer, HostAdamW):
             set_model_state_dict(self._module, loaded["model"])

@@ -33,8 +33,10 @@ def restore(engine, checkpoint, pack):
 
 
 @pytest.fixture(scope="module")
-def long_prompt(engine) -> tuple[list[int], tuple[int, ...]]:
-    """A prompt whose greedy completion runs the full 200 tokens, and that completion."""
+def long_prompt(engine, checkpoint, pack) -> tuple[list[int], tuple[int, ...]]:
+    """A prompt whose greedy completion runs the full 200 tokens, and that completion, with
+    the checkpoint's own weights (the session's engine may hold another module's sync)."""
+    engine.update_weights(pack(original(checkpoint), version=0, bucket_bytes=1 << 20))
     for first in range(3, 60):
         prompt = [first, 17, 42, 99, 7]
         g = asyncio.run(engine.generate(prompt, LONG))

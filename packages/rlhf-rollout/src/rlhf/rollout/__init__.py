@@ -9,7 +9,8 @@ over its transports. It may import `rlhf.agents` and `rlhf.weights` only.
 
 from rlhf.rollout.config import EngineConfig, EngineOptions
 from rlhf.rollout.conformance import ConformanceReport, check_logprobs, processed_logprobs
-from rlhf.rollout.engine import EngineError, VLLMEngine, read_checkpoint_params
+from rlhf.rollout.engine import VLLMEngine
+from rlhf.rollout.errors import EngineError
 from rlhf.rollout.pool import EnginePool, Revive
 from rlhf.rollout.ray_engine import (
     EngineActor,
@@ -19,6 +20,7 @@ from rlhf.rollout.ray_engine import (
     spawn_engines,
 )
 from rlhf.rollout.readback import VERIFY_MODES, LiveDigest, spot_check_names
+from rlhf.rollout.weight_checks import read_checkpoint_params
 
 __all__ = [
     "VERIFY_MODES",

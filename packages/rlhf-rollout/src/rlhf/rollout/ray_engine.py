@@ -23,7 +23,8 @@ from typing import Any
 from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.batching import Outcome, RequestBatcher, StreamedRequests
 from rlhf.rollout.config import EngineConfig
-from rlhf.rollout.engine import EngineError, VLLMEngine
+from rlhf.rollout.engine import VLLMEngine
+from rlhf.rollout.errors import EngineError
 from rlhf.rollout.readback import LiveDigest
 from rlhf.weights import (
     BroadcastGroup,

@@ -352,6 +352,9 @@ class BroadcastTransport:
             raise _MemberDiedError(dead) from exc
 
     def sync(self, version: int) -> None:
+        # on_engine_died runs under this lock (the reviver then takes its own): revival over
+        # a broadcast group is enabled only without --train.async_enable
+        # (`rlhf.cli.revive.why_not_revivable`), where no pool request runs during a sync.
         with self._lock:
             self._sending = version
             try:

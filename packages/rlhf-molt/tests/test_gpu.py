@@ -1,6 +1,6 @@
 """GPU paths of the FSDP2 backend, run on a CUDA machine with ``-m gpu`` (one rank, NCCL, in
 this process): what each ``offload`` level leaves on the device, hybrid turn-taking's state
-moves, and bf16 compute.
+moves, bf16 compute, and a checkpoint of CUDA shards resuming exactly.
 
 Bytes per parameter P after a step (gradients are freed by then): float32 weights 4 P and
 AdamW's two float32 moments 8 P with everything resident; the moments on the host under
@@ -121,3 +121,33 @@ def test_bfloat16_compute_keeps_float32_masters(tmp_path) -> None:
     assert loss == pytest.approx(reference, rel=2e-2) and loss != reference
     assert {p.dtype for p in bf16.module.parameters()} == {torch.float32}
     _release(bf16)
+
+
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_a_checkpoint_of_cuda_shards_resumes_bit_for_bit(tmp_path, offload) -> None:
+    """The DCP files (`rlhf.molt.dcp_files`: safetensors and JSON) of CUDA shards, or of a
+    host optimizer: a resumed backend's next two steps give the uninterrupted losses and
+    weights exactly."""
+    from rlhf.learner import checkpoint as ckpt
+
+    _model(tmp_path / "model")
+    micro, objective = _work()
+    backend = _backend(tmp_path / "model", offload=offload)
+    backend.train_micro_batches(micro, objective)
+    root = tmp_path / "ckpt"
+    ckpt.staging_dir(root, 1).mkdir(parents=True)
+    backend.save_checkpoint(str(ckpt.staging_dir(root, 1)), client_state={"step": 1})
+    path = ckpt.finalize(
+        root, 1, fingerprint=backend.fingerprint(), client_state={"step": 1}, keep=None
+    )
+    want = [backend.train_micro_batches(micro, objective)["loss"] for _ in range(2)]
+    weights = backend.state_dict_on_rank0()
+    _release(backend)
+    backend = _backend(tmp_path / "model", offload=offload)
+    assert backend.load_checkpoint(str(path)) == {"step": 1}
+    got = [backend.train_micro_batches(micro, objective)["loss"] for _ in range(2)]
+    assert got == want
+    state = backend.state_dict_on_rank0()
+    assert weights and state.keys() == weights.keys()
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+    _release(backend)

@@ -5,13 +5,12 @@ under OpenRLHF-style dotted flags (``--rollout.n_samples_per_prompt``, ``--algo.
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 from dataclasses import dataclass, field
 from typing import Literal
 
 from rlhf.algos import AlgoConfig
-from rlhf.cli.nodes import NodeSpec, NodeSpecError
+from rlhf.cli.nodes import NodeSpec
 from rlhf.learner import DeepSpeedConfig, LearnerConfig, ModelConfig, OptimizerConfig
 from rlhf.molt import FSDPConfig
 from rlhf.rollout import EngineOptions
@@ -551,73 +550,10 @@ class RLConfig:
     def validate(self) -> RLConfig:
         """Raise `ConfigError` listing every invalid value and combination, each naming its
         flags (checked before anything starts)."""
-        problems = self._backend_problems() + self._range_problems() + self._node_problems()
-        if not problems:  # the combinations below assume the ranges hold
-            problems = [message for bad, message in self._combination_checks() if bad]
-        raise_problems(problems, where="the configuration")
+        from rlhf.cli.validation import problems
+
+        raise_problems(problems(self), where="the configuration")
         return self
-
-    def _range_problems(self) -> list[str]:
-        """Sizes, counts and sampling parameters out of their range (``ZeroDivisionError``s
-        and silent no-op runs otherwise)."""
-        r, t, e = self.rollout, self.train, self.eval
-        at_least = {
-            "--rollout.batch_size": (r.batch_size, 1),
-            "--rollout.n_samples_per_prompt": (r.n_samples_per_prompt, 1),
-            "--rollout.max_new_tokens": (r.max_new_tokens, 1),
-            "--rollout.max_len": (r.max_len, 2),
-            "--train.ppo_epochs": (t.ppo_epochs, 1),
-            "--train.batch_size": (t.batch_size, 0),
-            "--train.max_tokens_per_micro_batch": (t.max_tokens_per_micro_batch, 0),
-            "--eval.steps": (e.steps, 0),
-            "--eval.n_samples": (e.n_samples, 1),
-            "--eval.max_prompts": (e.max_prompts, 1),
-            "--actor.num_ranks": (self.actor.num_ranks, 1),
-            "--critic.num_ranks": (self.critic.num_ranks, 1),
-        }
-        problems = [
-            f"{flag} must be >= {low}, got {value}"
-            for flag, (value, low) in at_least.items()
-            if value < low
-        ]
-        if not r.temperature > 0:
-            problems.append(
-                f"--rollout.temperature must be > 0, got {r.temperature} (the learner scores "
-                "samples at this temperature; for greedy evaluation use --eval.temperature 0)"
-            )
-        if e.temperature < 0:
-            problems.append(f"--eval.temperature must be >= 0, got {e.temperature}")
-        if not 0 < r.top_p <= 1:
-            problems.append(f"--rollout.top_p must be in (0, 1], got {r.top_p}")
-        if r.top_k != -1 and r.top_k < 1:
-            problems.append(f"--rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
-        return problems + self._reward_problems() + self.plan.problems()
-
-    def _reward_problems(self) -> list[str]:
-        w, t = self.reward, self.train
-        problems = []
-        if not w.timeout_s > 0:
-            problems.append(f"--reward.timeout_s must be > 0, got {w.timeout_s}")
-        if w.retries < 0:
-            problems.append(f"--reward.retries must be >= 0, got {w.retries}")
-        if w.failure_policy not in FAILURE_POLICIES:
-            problems.append(
-                f"--reward.failure_policy must be one of {', '.join(FAILURE_POLICIES)}, "
-                f"got {w.failure_policy!r}"
-            )
-        if not math.isfinite(w.fallback_value):
-            problems.append(f"--reward.fallback_value must be finite, got {w.fallback_value}")
-        spellings = (
-            ("reward_func", w.reward_func, t.reward_func, TrainConfig.reward_func),
-            ("remote_url", w.remote_url, t.remote_url, TrainConfig.remote_url),
-        )
-        for name, new, old, default in spellings:
-            if new and old != default and new != old:
-                problems.append(
-                    f"--reward.{name} {new!r} and its older spelling --train.{name} {old!r} "
-                    "disagree: set one"
-                )
-        return problems
 
     def role_nodes(self) -> dict[str, tuple[str, NodeSpec]]:
         """Per role, the flag whose node spec it follows and that spec: the reference and
@@ -627,7 +563,7 @@ class RLConfig:
         Raises:
             NodeSpecError: a spec that does not parse, naming its flag.
         """
-        parse = {flag: (flag, NodeSpec.parse(text, flag=flag)) for flag, text in self._nodes()}
+        parse = {flag: (flag, NodeSpec.parse(text, flag=flag)) for flag, text in self.node_flags()}
         actor, critic = parse["--actor.node"], parse["--critic.node"]
         return {
             "actor": actor,
@@ -637,35 +573,13 @@ class RLConfig:
             "engines": parse["--vllm.node"],
         }
 
-    def _nodes(self) -> tuple[tuple[str, str], ...]:
+    def node_flags(self) -> tuple[tuple[str, str], ...]:
+        """(flag, node spec text) of the roles that take one."""
         return (
             ("--actor.node", self.actor.node),
             ("--critic.node", self.critic.node),
             ("--vllm.node", self.vllm.node),
         )
-
-    def _node_problems(self) -> list[str]:
-        """Node specs that do not parse, or that colocated roles contradict."""
-        problems = []
-        for flag, text in self._nodes():
-            try:
-                NodeSpec.parse(text, flag=flag)
-            except NodeSpecError as e:
-                problems.append(str(e))
-        if problems or not self.train.colocate_all:
-            return problems
-        nodes = self.role_nodes()
-        actor = nodes["actor"][1]
-        others = ["engines"] + (["critic"] if self.uses_critic else [])
-        for role in others:
-            flag, spec = nodes[role]
-            if spec and actor and spec != actor:
-                problems.append(
-                    f"--train.colocate_all puts every role's rank i in one bundle, on one node: "
-                    f"{flag} {spec.describe()} contradicts --actor.node {actor.describe()} "
-                    "(set one of them, or both alike)"
-                )
-        return problems
 
     def with_absolute_paths(self) -> RLConfig:
         """This config with ``run_dir`` and the model directories that exist here made
@@ -680,170 +594,6 @@ class RLConfig:
                 "train.reward_model_path": absolute_path(self.train.reward_model_path),
             },
         )
-
-    def _combination_checks(self) -> list[tuple[bool, str]]:
-        return [
-            (not self.actor.model.path, "--actor.model.path is required"),
-            (not self.data.prompt_data and not self.dry_run, "--data.prompt_data is required"),
-            (
-                self.rollout.n_samples_per_prompt < 2 and self.algo.advantage.spec.needs_groups,
-                f"--algo.advantage.estimator={self.algo.advantage.estimator} compares samples "
-                "of a prompt: set --rollout.n_samples_per_prompt >= 2",
-            ),
-            (
-                self.rollout.max_new_tokens >= self.rollout.max_len,
-                "--rollout.max_new_tokens must be smaller than --rollout.max_len",
-            ),
-            (
-                self.train.batch_size > 0
-                and self.train.batch_size % self.rollout.n_samples_per_prompt != 0,
-                "--train.batch_size must be a multiple of --rollout.n_samples_per_prompt "
-                "(a prompt's samples stay in one optimizer step)",
-            ),
-            (
-                self.train.batch_size > self.rollout.batch_size * self.rollout.n_samples_per_prompt,
-                "--train.batch_size exceeds the samples of one rollout "
-                "(--rollout.batch_size x --rollout.n_samples_per_prompt)",
-            ),
-            (
-                bool(self.resolved_reward().remote_url)
-                and self.resolved_reward().reward_func != TrainConfig.reward_func,
-                "--reward.remote_url and --reward.reward_func are exclusive",
-            ),
-            (
-                self.algo.dynamic_filtering_enable and self.rollout.n_samples_per_prompt < 2,
-                "--algo.dynamic_filtering_enable needs --rollout.n_samples_per_prompt >= 2",
-            ),
-            (
-                self.algo.overlong_buffer_len is not None
-                and self.algo.overlong_buffer_len >= self.rollout.max_new_tokens,
-                "--algo.overlong_buffer_len must be smaller than --rollout.max_new_tokens "
-                "(the penalty ramps over the last buffer_len tokens of the budget)",
-            ),
-            (
-                bool(self.train.reward_model_path) and bool(self.resolved_reward().remote_url),
-                "--train.reward_model_path and --reward.remote_url are exclusive",
-            ),
-            (
-                bool(self.train.agent_func_path)
-                and bool(self.train.reward_model_path or self.resolved_reward().remote_url),
-                "--train.agent_func_path returns its own rewards; drop "
-                "--train.reward_model_path / --reward.remote_url",
-            ),
-            (self.train.agent_max_turns < 1, "--train.agent_max_turns must be >= 1"),
-            (
-                self.eval.best_mode not in ("max", "min"),
-                f"--eval.best_mode must be max or min, got {self.eval.best_mode!r}",
-            ),
-            (
-                bool(self.eval.best_metric) and not (self.data.eval_data and self.eval.steps),
-                "--eval.best_metric compares evaluations: give --data.eval_data and "
-                "--eval.steps > 0",
-            ),
-            (
-                self.train.agent_failure_policy not in ("raise", "skip", "fallback"),
-                "--train.agent_failure_policy must be raise, skip or fallback, got "
-                f"{self.train.agent_failure_policy!r}",
-            ),
-            (
-                not math.isfinite(self.train.agent_fallback_value),
-                "--train.agent_fallback_value must be a finite number",
-            ),
-            (
-                self.train.turn_credit not in TURN_CREDIT,
-                f"--train.turn_credit must be one of {', '.join(TURN_CREDIT)}, got "
-                f"{self.train.turn_credit!r}",
-            ),
-            (
-                self.train.turn_credit == "per_turn" and self.algo.advantage.spec.needs_groups,
-                f"--train.turn_credit per_turn places rewards on tokens, but "
-                f"--algo.advantage.estimator {self.algo.advantage.estimator} subtracts a group "
-                "baseline from one reward per sample: use gae or reinforce, or --train.turn_credit "
-                "episode",
-            ),
-            (
-                not self.train.agent_step_timeout_s > 0,
-                "--train.agent_step_timeout_s must be > 0",
-            ),
-            (
-                bool(self.train.agent_func_path)
-                and not pathlib.Path(self.train.agent_func_path).is_file(),
-                f"--train.agent_func_path {self.train.agent_func_path!r}: no such file",
-            ),
-            (self.train.num_steps < 1, "--train.num_steps must be >= 1"),
-            (self.train.async_queue_size < 1, "--train.async_queue_size must be >= 1"),
-            (
-                self.train.partial_rollout_enable and not self.train.async_enable,
-                "--train.partial_rollout_enable needs --train.async_enable (a synchronous run "
-                "never syncs while sampling)",
-            ),
-            (self.vllm.num_engines < 1, "--vllm.num_engines must be >= 1"),
-            (
-                str(self.vllm.verify_sync) not in VERIFY_SYNC,
-                f"--vllm.verify_sync must be one of {sorted(VERIFY_SYNC)}",
-            ),
-            (
-                self.train.weight_transport not in WEIGHT_TRANSPORTS,
-                f"--train.weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}",
-            ),
-            (self.train.weight_bucket_mib < 1, "--train.weight_bucket_mib must be >= 1"),
-            (
-                self.train.colocate_all and self.train.async_enable,
-                "--train.colocate_all makes generation and training take turns on the same "
-                "resources; drop --train.async_enable (or colocate less)",
-            ),
-            (
-                self.train.colocate_all and self.vllm.num_engines > self.actor.num_ranks,
-                "--train.colocate_all puts engine i beside actor rank i: --vllm.num_engines "
-                "must be <= --actor.num_ranks",
-            ),
-            (
-                self.train.colocate_all
-                and self.uses_critic
-                and self.critic.num_ranks != self.actor.num_ranks,
-                "--train.colocate_all puts critic rank i beside actor rank i: set "
-                "--critic.num_ranks equal to --actor.num_ranks",
-            ),
-            (
-                self.train.deepspeed_enable_sleep is True and not self._offloadable_stages,
-                "--train.deepspeed_enable_sleep True offloads the learners' states between "
-                "phases, which DeepSpeed does for ZeRO-1/2 (and the molt backend always): set "
-                "--actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1 or 2, "
-                "or leave the flag unset",
-            ),
-            (
-                self.train.deepspeed_enable_sleep is True and not self.train.colocate_all,
-                "--train.deepspeed_enable_sleep moves the learners' states aside for colocated "
-                "engines: it needs --train.colocate_all",
-            ),
-            (
-                self.train.colocate_actor_ref and not self.uses_reference,
-                "--train.colocate_actor_ref needs a reference model (--algo.kl.init_coef > 0)",
-            ),
-            (
-                self.train.colocate_critic_reward
-                and not (self.uses_critic and self.train.reward_model_path),
-                "--train.colocate_critic_reward needs a critic (--algo.advantage.estimator gae) "
-                "and a reward model (--train.reward_model_path)",
-            ),
-            (self.train.micro_batch_size < 1, "--train.micro_batch_size must be >= 1"),
-            (
-                self.actor.model.chunked_lm_head and self.actor.deepspeed.zero_stage == 3,
-                "--actor.model.chunked_lm_head needs --actor.deepspeed.zero_stage <= 2 (ZeRO-3 "
-                "shards the lm_head weight outside its own forward)",
-            ),
-            (
-                self.critic.model.chunked_lm_head,
-                "--critic.model.chunked_lm_head: the critic has a value head, not an lm_head",
-            ),
-        ]
-
-    def _backend_problems(self) -> list[str]:
-        """What keeps the actor (and critic) from building on their backends."""
-        from rlhf.cli.backends import role_problems
-
-        roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.uses_critic else [])
-        return [problem for flag, role in roles for problem in role_problems(role, flag=flag)]
 
     def model_dirs(self) -> list[str]:
         """Every model directory the run loads (checked before anything starts)."""
@@ -863,7 +613,9 @@ class RLConfig:
         return (self.actor, self.critic) if self.uses_critic else (self.actor,)
 
     @property
-    def _offloadable_stages(self) -> bool:
+    def offloadable_stages(self) -> bool:
+        """Every trained role's states can leave the device between phases (ZeRO-1/2, or
+        the molt backend)."""
         return all(
             role.backend == "molt" or role.deepspeed.zero_stage in (1, 2)
             for role in self.trained_roles
@@ -876,7 +628,7 @@ class RLConfig:
         flag = self.train.deepspeed_enable_sleep
         if not self.train.colocate_all or flag is False:
             return False
-        return flag is True or (gpu and self._offloadable_stages)
+        return flag is True or (gpu and self.offloadable_stages)
 
     @property
     def optimizer_steps_per_rollout(self) -> int:

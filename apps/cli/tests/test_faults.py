@@ -141,6 +141,34 @@ def test_a_dead_engine_stops_the_run_where_it_cannot_rejoin(tmp_path):
     assert "colocate_all" in why_not_revivable("object_store", gpu=True, colocated=True)
 
 
+def _kill_and_wait(engine) -> None:
+    """Kill ``engine``'s actor and wait until Ray reports it dead (Ray kills asynchronously)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    ray.kill(engine.handle, no_restart=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            engine.weight_version  # noqa: B018
+        except RayActorError:
+            return
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def _greedy_tokens(engines) -> list[tuple[int, ...]]:
+    """Each engine's greedy completion of one prompt (equal when they serve equal weights)."""
+    from rlhf.agents import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def each():
+        return await asyncio.gather(*(e.generate([5, 6, 7], greedy) for e in engines))
+
+    return [g.token_ids for g in asyncio.run(each())]
+
+
 def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
     """The other way an engine's death shows: the weight sync after a step finds it dead
     (it died while the learners trained). The live engine loads the sync, then a new engine
@@ -149,7 +177,6 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
 
     import ray
     import torch
-    from ray.exceptions import RayActorError
     from safetensors.torch import load_file
 
     from rlhf.agents import SamplingParams
@@ -179,19 +206,7 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
         reviver = EngineReviver(driver)  # type: ignore[arg-type]
         transport.on_engine_died = reviver.restart
         dead = engines[0]
-        ray.kill(dead.handle, no_restart=True)
-
-        def gone() -> bool:
-            try:
-                dead.weight_version  # noqa: B018
-            except RayActorError:
-                return True
-            return False
-
-        deadline = time.monotonic() + 60
-        while not gone():  # Ray kills asynchronously: dead before the sync starts
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        _kill_and_wait(dead)  # dead before the sync starts
 
         transport.sync(3)
         new = roles.engines[0]
@@ -202,14 +217,10 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
         assert lines[0].startswith(
             "[fault] vLLM engine 0 died under the run; restarted and re-synced to version 3"
         )
-        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-
-        async def both():
-            return await asyncio.gather(*(e.generate([5, 6, 7], greedy) for e in roles.engines))
-
-        first, second = asyncio.run(both())
-        assert first.token_ids == second.token_ids  # the same weights in both
+        first, second = _greedy_tokens(roles.engines)
+        assert first == second  # the same weights in both
         # The pool serves from the new engine without reviving again.
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
         asyncio.run(pool.generate_group([5, 6, 7], greedy, n=4))
         assert pool.restarts == 0 and reviver.restarts == 1
     finally:
@@ -229,10 +240,8 @@ def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(as
 
     import ray
     import torch
-    from ray.exceptions import RayActorError
     from safetensors.torch import load_file
 
-    from rlhf.agents import SamplingParams
     from rlhf.cli.revive import EngineReviver
     from rlhf.cli.roles import EngineLaunch, Roles
     from rlhf.cli.sync import BroadcastTransport
@@ -271,15 +280,7 @@ def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(as
         transport.on_engine_died = reviver.restart
 
         first = engines[0]
-        ray.kill(first.handle, no_restart=True)
-        deadline = time.monotonic() + 60
-        while True:  # Ray kills asynchronously: dead before the sync starts
-            try:
-                first.weight_version  # noqa: B018
-            except RayActorError:
-                break
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        _kill_and_wait(first)  # dead before the sync starts
         transport.sync(3)
         assert roles.engines[0] is not first and pool.engines[0] is roles.engines[0]
         assert [e.weight_version for e in roles.engines] == [3, 3]
@@ -299,13 +300,8 @@ def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(as
         assert lines[1].startswith(
             "[fault] vLLM engine 1 died under the run; restarted and re-synced to version 4"
         )
-        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-
-        async def both():
-            return await asyncio.gather(*(e.generate([5, 6, 7], greedy) for e in roles.engines))
-
-        a, b = asyncio.run(both())
-        assert a.token_ids == b.token_ids  # the same weights in both
+        a, b = _greedy_tokens(roles.engines)
+        assert a == b  # the same weights in both
     finally:
         if transport is not None:
             transport.close()

@@ -208,10 +208,18 @@ class PromptSampler:
         self.seed = seed
         self.drawn = 0
         self.positions = [0] * len(self.sources)
+        # The shuffled order of each source's current epoch: a pure function of (seed,
+        # source, epoch), kept instead of shuffled again for every prompt drawn (16 shuffles
+        # of the demo's prompts were 12 ms of the driver's step).
+        self._orders: dict[int, tuple[int, list[int]]] = {}
 
     def _order(self, source: int, epoch: int) -> list[int]:
+        cached = self._orders.get(source)
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
         order = list(range(len(self.sources[source])))
         random.Random(f"{self.seed}-{source}-{epoch}").shuffle(order)
+        self._orders[source] = (epoch, order)
         return order
 
     def next(self, n: int) -> list[Prompt]:

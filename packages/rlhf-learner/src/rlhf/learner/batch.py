@@ -104,23 +104,20 @@ def collate(
     if not rows:
         raise ValueError("collate needs at least one row")
     length = max(len(r) for r in rows)
-    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-        mask[i, : len(r)] = 1
+    # One tensor per field from padded Python rows: a tensor per row and a slice copy each
+    # took 4 ms of the driver's step for 128 demo rows.
+    ids = _padded(rows, length, pad_token_id, torch.long)
+    mask = _padded([[1] * len(r) for r in rows], length, 0, torch.long)
     fields: dict[str, Tensor] = {}
     for name, values in (per_token or {}).items():
         if len(values) != len(rows):
             raise ValueError(f"per_token[{name!r}] has {len(values)} rows, expected {len(rows)}")
-        t = torch.zeros((len(rows), length), dtype=torch.float32)
         for i, (v, r) in enumerate(zip(values, rows, strict=True)):
             if len(v) != len(r):
                 raise ValueError(
                     f"per_token[{name!r}] row {i} has {len(v)} values for {len(r)} tokens"
                 )
-            t[i, : len(v)] = torch.tensor(list(v), dtype=torch.float32)
-        fields[name] = t
+        fields[name] = _padded(values, length, 0.0, torch.float32)
     for name, values in (per_sequence or {}).items():
         if len(values) != len(rows):
             raise ValueError(
@@ -128,6 +125,13 @@ def collate(
             )
         fields[name] = torch.tensor(list(values), dtype=torch.float32)
     return Batch(ids, mask, fields)
+
+
+def _padded(
+    rows: Sequence[Sequence[float]], length: int, fill: float, dtype: torch.dtype
+) -> Tensor:
+    """``rows`` right-padded with ``fill`` to ``length``, as one (len(rows), length) tensor."""
+    return torch.tensor([[*r, *([fill] * (length - len(r)))] for r in rows], dtype=dtype)
 
 
 def micro_batches(

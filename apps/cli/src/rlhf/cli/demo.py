@@ -186,6 +186,7 @@ def rl_config(config: DemoConfig, model: pathlib.Path, data: dict[str, pathlib.P
 
 def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Make the assets, warm-start by SFT, run RL; returns the start and end evaluations."""
+    from rlhf.cli.cluster import start_ray_early
     from rlhf.cli.rl import run_rl
     from rlhf.cli.sft import SFTConfig, run_sft
     from rlhf.cli.startup import Stopwatch
@@ -194,6 +195,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
     if config.backend not in BACKENDS:
         raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
     started = time.perf_counter()
+    start_ray_early()  # Ray's processes start while the assets are made (rlhf.cli.cluster)
     root = pathlib.Path(config.run_dir)
     data = make_assets(root / "assets", noise=config.noise, seed=config.seed)
     echo(f"[demo] task: sort {DIGITS} digits; assets in {root / 'assets'}")

@@ -30,7 +30,7 @@ from ray.exceptions import RayActorError
 
 from rlhf.algos import make_kl_controller
 from rlhf.cli.best import BestModel, check_metric
-from rlhf.cli.cluster import start_ray
+from rlhf.cli.cluster import start_ray, start_ray_early
 from rlhf.cli.config import RLConfig
 from rlhf.cli.data import Prompt, PromptSampler, prompt_sources
 from rlhf.cli.faults import actor_died, resume_hint
@@ -58,14 +58,16 @@ def run_rl(
 
     ``stopwatch`` times the start-up (`rlhf.cli.startup`; a fresh one from this call when
     None); its record goes to ``run_dir/startup.json`` after the first step."""
-    from transformers import AutoTokenizer
-
     from rlhf.learner import check_model_dir
 
     watch = stopwatch or Stopwatch(since_process_start=False)
     config = config.validate().with_absolute_paths()
     for path in config.model_dirs():
         check_model_dir(path)
+    # Ray's processes start while this one imports and reads the tokenizer and prompts.
+    start_ray_early(address=config.ray.address)
+    from transformers import AutoTokenizer
+
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = dataclasses.asdict(config)

@@ -88,7 +88,11 @@ def claim_signals() -> None:
 
 def shutdown_ray() -> bool:
     """``ray.shutdown()`` when this process imported Ray and is connected to it; whether it
-    was."""
+    was. A cluster still starting (`rlhf.cli.cluster.start_ray_early`) is waited for first,
+    so that it is shut down too."""
+    cluster = sys.modules.get("rlhf.cli.cluster")
+    if cluster is not None:
+        cluster.settle_early_start()
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return False

@@ -108,3 +108,38 @@ def test_states_moved_aside_between_steps_come_back_unchanged(
     assert got[0] == expected[0]
     for name, tensor in expected[1].items():
         assert torch.equal(got[1][name], tensor), name
+
+
+def test_the_host_step_holds_one_gradient_at_a_time_and_equals_adamw():
+    """`HostAdamW.step` brings one parameter's gradient to the host, steps it and drops it (the
+    host never holds every gradient at once), and the result is torch AdamW's step over the
+    same parameters, weight decay and schedule included, to the bit (the same single-tensor
+    arithmetic on the host)."""
+    from rlhf.learner import OptimizerConfig
+    from rlhf.learner.optim import build_optimizer
+    from rlhf.molt.offload import HostAdamW
+
+    torch.manual_seed(0)
+    settings = OptimizerConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2, total_steps=10)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    twin.load_state_dict(model.state_dict())
+    host = HostAdamW(list(model.named_parameters()), settings)
+    reference, schedule = build_optimizer(twin, settings)
+    held: list[int] = []
+    host.optimizer.register_step_pre_hook(
+        lambda *_: held.append(sum(m.grad is not None for m in host.masters))
+    )
+    for step in range(3):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        for net in (model, twin):
+            net.zero_grad()
+            net(x).square().mean().backward()
+        host.step()
+        host.scheduler.step()
+        reference.step()
+        schedule.step()
+        for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+        assert all(m.grad is None for m in host.masters)
+    assert held == [1] * (3 * len(host.masters))

@@ -314,6 +314,27 @@ def test_a_bf16_rank_with_few_activations_peaks_in_its_optimizer_step(tmp_path):
     assert "optimizer step" not in offloaded.parts
 
 
+def test_a_molt_rank_peaks_in_adamw_step_at_20_bytes_per_parameter(tmp_path):
+    """molt without offload: float32 shards 4, moments 8, gradients 4 and AdamW's square root
+    of every second moment 4 bytes per parameter in its step (more than a short checkpointed
+    backward); with the optimizer on the host the device holds no step and the host 12 bytes
+    per parameter (masters and moments)."""
+    from rlhf.molt import FSDPConfig
+
+    model = _config_dir(tmp_path, "m", **LLAMA_8B)
+    shape = ModelShape.read(model, flag="--actor.model.path")
+    role = RoleConfig(backend="molt", fsdp=FSDPConfig(param_dtype="bfloat16"))
+    short = learner_memory(role, shape, tokens=256, trains=True, outputs=shape.vocab)
+    assert short.parts["optimizer step"] == 4 * shape.params
+    assert sum(short.parts.values()) == 20 * shape.params
+    long = learner_memory(role, shape, tokens=65536, trains=True, outputs=shape.vocab)
+    assert "optimizer step" not in long.parts
+    host = RoleConfig(backend="molt", fsdp=FSDPConfig(param_dtype="bfloat16", offload="optimizer"))
+    offloaded = learner_memory(host, shape, tokens=256, trains=True, outputs=shape.vocab)
+    assert "optimizer step" not in offloaded.parts
+    assert offloaded.host == 12 * shape.params
+
+
 def test_one_layer_scale_is_linear_in_the_micro_batch(tmp_path):
     """Activations grow with the micro-batch's tokens; the model states do not."""
     model = _config_dir(tmp_path, "m", **LLAMA_8B)

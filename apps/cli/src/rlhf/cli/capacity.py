@@ -30,8 +30,9 @@ model's weights (``16p`` in all at ZeRO-2, one rank); ZeRO-0 steps torch's AdamW
 weights themselves (``12p``).
 
 molt (FSDP2, float32 shards, bf16 compute): ``offload none`` keeps ``12p / dp`` (shards and
-Adam) and ``4p / dp`` float32 gradients; ``optimizer`` keeps the ``4p / dp`` shards and the
-gradients (masters and Adam on the host); ``full`` keeps neither.
+Adam) and ``4p / dp`` float32 gradients, and its optimizer step adds ``4t / dp``
+(`ADAM_STEP_BYTES_PER_PARAM`); ``optimizer`` keeps the ``4p / dp`` shards and the gradients
+(masters and Adam on the host, stepped one parameter at a time); ``full`` keeps neither.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ gradient partition (4 bytes per trained parameter) and one float32 temporary of 
 (4): ``8t / dp``. With few activations (gradient checkpointing, one row) this, not the
 backward, is the rank's peak: 24 bytes per parameter at 1.5B on one rank (34.57 GiB measured
 alike at one row, two and four checkpointed rows)."""
+
+ADAM_STEP_BYTES_PER_PARAM = 4
+"""Structural, checked on an H100: torch's AdamW on the device (its multi-tensor path) makes a
+float32 square root of the second moment of every parameter at once, so a molt ``offload
+none`` step holds shards, moments and gradients plus ``4t / dp``: 20 bytes per parameter. A
+4.35B model that fitted the backward by 8 GiB ran out of memory there (bench_capacity
+``--largest``)."""
 
 FLOOR_BYTES = int(0.064 * GIB)
 """Measured: what torch's allocator holds in every process once a matmul ran (cuBLAS
@@ -218,18 +226,22 @@ def deepspeed_memory(
         "gradients": gradients,
         "activations": load.activations(),
     }
-    parts = backward
+    step: dict[str, float] = {}
     if load.trains and states and w == 2 and zero_stage >= 1:
-        # The optimizer step, after the activations are freed: the larger of the two peaks.
+        # The optimizer step, after the activations are freed.
         step = {
             "weights": weights,
             "optimizer states": states,
             "gradients": gradients,
             "optimizer step": STEP_BYTES_PER_PARAM * t / dp,
         }
-        if sum(step.values()) > sum(backward.values()):
-            parts = step
-    return Memory(parts=parts, host=host)
+    return Memory(parts=_larger(backward, step), host=host)
+
+
+def _larger(backward: dict[str, float], step: dict[str, float]) -> dict[str, float]:
+    """The rank's peak: the backward's parts or, where it holds more, the optimizer step's
+    (``step`` empty where the step cannot be the peak)."""
+    return step if sum(step.values()) > sum(backward.values()) else backward
 
 
 def molt_memory(
@@ -247,15 +259,22 @@ def molt_memory(
         copies = param_dtype_bytes * (held + load.embedding_params)
     on_device = offload != "full"
     host = {"none": 0.0, "optimizer": shards + adam, "full": shards + adam + gradients}[offload]
-    return Memory(
-        parts={
-            "weights": (shards if on_device else 0.0) + copies,
-            "optimizer states": adam if offload == "none" else 0.0,
-            "gradients": gradients if on_device else 0.0,
-            "activations": load.activations(),
-        },
-        host=host,
-    )
+    backward = {
+        "weights": (shards if on_device else 0.0) + copies,
+        "optimizer states": adam if offload == "none" else 0.0,
+        "gradients": gradients if on_device else 0.0,
+        "activations": load.activations(),
+    }
+    step: dict[str, float] = {}
+    if offload == "none" and load.trains:
+        # The step, after the activations and the gathered copies are freed.
+        step = {
+            "weights": shards,
+            "optimizer states": adam,
+            "gradients": gradients,
+            "optimizer step": ADAM_STEP_BYTES_PER_PARAM * t / dp,
+        }
+    return Memory(parts=_larger(backward, step), host=host)
 
 
 @dataclass(frozen=True, kw_only=True)

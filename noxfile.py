@@ -211,8 +211,10 @@ BENCH_MEMBER = {"capacity": "cli"}
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Side-by-side benchmarks: `nox -s bench -- algos` (see benchmarks/README.md)."""
-    targets = session.posargs or ["algos"]
+    """Side-by-side benchmarks: `nox -s bench -- algos` (see benchmarks/README.md); arguments
+    that start with ``-`` pass to every target's script (`nox -s bench -- capacity --engines`)."""
+    targets = [arg for arg in session.posargs if not arg.startswith("-")] or ["algos"]
+    flags = [arg for arg in session.posargs if arg.startswith("-")]
     known = sorted({*MEMBERS, *BENCH_MEMBER})
     for target in targets:
         if target not in known:
@@ -220,7 +222,8 @@ def bench(session: nox.Session) -> None:
         _install_member(session, BENCH_MEMBER.get(target, target))
         out = REPORTS / f"bench-{target}.json"
         REPORTS.mkdir(exist_ok=True)
-        session.run("python", str(ROOT / "benchmarks" / f"bench_{target}.py"), "--json", str(out))
+        script = ROOT / "benchmarks" / f"bench_{target}.py"
+        session.run("python", str(script), "--json", str(out), *flags)
         session.log(json.dumps(json.loads(out.read_text()), indent=2))
 
 

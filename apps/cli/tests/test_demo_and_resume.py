@@ -215,3 +215,17 @@ def plan_line(command: str, preset: str, *flags: str) -> str:
     config = _parse(type(resolve(preset)), flags, resolve(preset), "rlhf train")
     root = pathlib.Path(config.run_dir) / "checkpoints"
     return check_resume(config.validate(), root)[1]
+
+
+def test_assets_for_a_run_from_an_sft_model_are_the_same_rows_without_a_model(tmp_path) -> None:
+    """``rlhf demo --sft_model`` makes no random model (``make_assets(model=False)``); its
+    prompts, held-out prompts and SFT rows are byte for byte those of a full demo's seed."""
+    from rlhf.cli.demo import make_assets
+
+    full = make_assets(tmp_path / "full", noise=0.6, seed=3)
+    rows = make_assets(tmp_path / "rows", noise=0.6, seed=3, model=False)
+    assert (full["model"] / "config.json").is_file()
+    assert "model" not in rows and not (tmp_path / "rows" / "init").exists()
+    assert sorted(rows) == sorted(k for k in full if k != "model")
+    for key, path in rows.items():
+        assert path.read_bytes() == full[key].read_bytes(), key

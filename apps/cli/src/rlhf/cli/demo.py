@@ -77,14 +77,22 @@ def _digits(rng: random.Random) -> str:
     return "".join(str(rng.randint(0, 9)) for _ in range(DIGITS))
 
 
-def make_assets(root: pathlib.Path, *, noise: float, seed: int) -> dict[str, pathlib.Path]:
-    """Tokenizer + random model, RL prompts, held-out prompts and noisy SFT rows."""
+def make_assets(
+    root: pathlib.Path, *, noise: float, seed: int, model: bool = True
+) -> dict[str, pathlib.Path]:
+    """Tokenizer + random model (``model``: else no ``"model"`` entry; a run that starts from
+    an SFT export needs none), RL prompts, held-out prompts and noisy SFT rows."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = _data_assets(root, noise=noise, seed=seed)
+    return {"model": _init_model(root / "init", seed=seed), **rows} if model else rows
+
+
+def _init_model(model_dir: pathlib.Path, *, seed: int) -> pathlib.Path:
+    """The task's tokenizer and a randomly initialised model, saved in ``model_dir``."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    root.mkdir(parents=True, exist_ok=True)
-    model_dir = root / "init"
     vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -106,6 +114,11 @@ def make_assets(root: pathlib.Path, *, noise: float, seed: int) -> dict[str, pat
         bos_token_id=vocab["<eos>"],
     )
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    return model_dir
+
+
+def _data_assets(root: pathlib.Path, *, noise: float, seed: int) -> dict[str, pathlib.Path]:
+    """RL prompts, held-out prompts and noisy SFT rows (``seed`` alone decides them)."""
     rng = random.Random(seed)
     held_out = set()
     while len(held_out) < 200:
@@ -128,7 +141,6 @@ def make_assets(root: pathlib.Path, *, noise: float, seed: int) -> dict[str, pat
         return answer
 
     return {
-        "model": model_dir,
         "train": write(
             "train.jsonl", [{"input": f"{d}:", "label": "".join(sorted(d))} for d in train]
         ),
@@ -197,7 +209,9 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
     started = time.perf_counter()
     start_ray_early()  # Ray's processes start while the assets are made (rlhf.cli.cluster)
     root = pathlib.Path(config.run_dir)
-    data = make_assets(root / "assets", noise=config.noise, seed=config.seed)
+    data = make_assets(
+        root / "assets", noise=config.noise, seed=config.seed, model=not config.sft_model
+    )
     echo(f"[demo] task: sort {DIGITS} digits; assets in {root / 'assets'}")
     sft = (
         {"model": config.sft_model}

@@ -204,7 +204,7 @@ def bench_step(
         sync()
 
     def run_ours() -> None:
-        ours.train_step(micro, objective)
+        ours.train_micro_batches(micro, objective)
         sync()
 
     times: dict[str, list[float]] = {"plain": [], "ours": []}
@@ -292,7 +292,7 @@ def bench_option(
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
             start = time.perf_counter()
-            backends[name].train_step(micro, objective)
+            backends[name].train_micro_batches(micro, objective)
             sync()
             if r:
                 times[name].append(time.perf_counter() - start)

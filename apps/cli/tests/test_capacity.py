@@ -387,3 +387,22 @@ def test_a_tensor_parallel_reference_takes_a_gpu_per_rank_of_its_replica(tmp_pat
     shape = ModelShape.read(model, flag="--actor.model.path")
     split = shape.params - shape.layers * shape.layer_params // 2  # float32: 4 bytes each
     assert refs[0].memory.parts["weights"] == 4 * split
+
+
+def test_zero2_offload_pins_masters_staging_and_gradients_on_the_host(tmp_path):
+    """ZeRO-2 with the optimizer on the host (bf16, one rank) keeps there the float32 masters
+    (4 bytes per parameter), their bf16 staging copy (2) and the float32 gradients (4), each
+    pinned and so rounded up to a power of two, and AdamW's moments (8), pageable. For 8.03B
+    parameters: 32.1 GB pins 2**35 bytes, 16.1 GB pins 2**34; two ranks halve every buffer."""
+    from rlhf.learner import DeepSpeedConfig
+
+    model = _config_dir(tmp_path, "m", **LLAMA_8B)
+    shape = ModelShape.read(model, flag="--actor.model.path")
+    assert 2**33 < 2 * shape.params <= 2**34 < 4 * shape.params <= 2**35
+    ds = DeepSpeedConfig(bf16=True, offload_optimizer=True)
+    one = learner_memory(RoleConfig(deepspeed=ds), shape, tokens=256, trains=True, outputs=1)
+    assert one.host == 2**35 + 2**34 + 2**35 + 8 * shape.params
+    two = learner_memory(
+        RoleConfig(deepspeed=ds, num_ranks=2), shape, tokens=256, trains=True, outputs=1
+    )
+    assert two.host == 2**34 + 2**33 + 2**34 + 4 * shape.params

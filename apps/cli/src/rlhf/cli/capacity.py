@@ -33,10 +33,16 @@ molt (FSDP2, float32 shards, bf16 compute): ``offload none`` keeps ``12p / dp`` 
 Adam) and ``4p / dp`` float32 gradients, and its optimizer step adds ``4t / dp``
 (`ADAM_STEP_BYTES_PER_PARAM`); ``optimizer`` keeps the ``4p / dp`` shards and the gradients
 (masters and Adam on the host, stepped one parameter at a time); ``full`` keeps neither.
+
+Host memory of DeepSpeed ZeRO-1/2 ``offload_optimizer`` (DeepSpeed 0.19's stage_1_and_2 on a
+GPU): the float32 master partition, a ``w``-byte staging copy of it and the float32 gradient
+partition, each pinned (`pinned`: a power of two), and AdamW's two moments, pageable:
+``pinned(4t / dp) + pinned(w t / dp) + pinned(4t / dp) + 8t / dp``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -53,6 +59,14 @@ at the backward's peak (bf16 logits and their gradient, and a float32 chunk)."""
 FORWARD_LOGITS_BYTES_PER_VOCAB = 3.5
 """Fitted: the same for a forward without gradient (the reference's log-probs: bf16 logits
 and a float32 chunk of the log-softmax)."""
+
+
+def pinned(nbytes: float) -> float:
+    """Host bytes one CUDA-pinned buffer of ``nbytes`` takes: torch's pinned-memory allocator
+    rounds each block up to a power of two (a 7B-width model's float32 masters pinned one block
+    per tensor take 1.9x their bytes; an 8.8B model's host step ran out of memory that way)."""
+    return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
+
 
 STEP_BYTES_PER_PARAM = 8
 """Structural, checked against held-out peaks: besides the weights, the optimizer states and the
@@ -215,7 +229,11 @@ def deepspeed_memory(
         gradients = w * t / (dp if zero_stage >= 2 else 1)
     host = 0.0
     if offload_optimizer and load.trains:
-        host += states
+        part = t / dp  # offloading needs ZeRO 1-3 (DeepSpeedConfig)
+        if zero_stage in (1, 2):  # masters, their staging copy and the gradients, pinned
+            host += pinned(4 * part) + pinned(w * part) + pinned(4 * part) + 8 * part
+        else:
+            host += states
         states = 0.0
     if offload_params:
         host += w * p / dp

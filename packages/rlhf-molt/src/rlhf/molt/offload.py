@@ -72,8 +72,8 @@ class HostAdamW:
         self.masters = torch.nn.ParameterList()
         for param in self.params:
             # Pageable, not pinned: torch's pinned allocator rounds each block up to a power of
-            # two, which took 1.8x the masters' bytes at a 7B width (an 8.8B model's masters
-            # and moments then no longer fitted 125 GiB of host memory).
+            # two, one block per tensor: 1.9x the masters' bytes at a 7B width (an 8.8B
+            # model's masters and moments then no longer fitted 125 GiB of host memory).
             host = _local(param).detach().to("cpu", dtype=torch.float32, copy=True)
             self.masters.append(torch.nn.Parameter(host))
         self.optimizer, self.scheduler = build_optimizer(self.masters, config)

@@ -411,6 +411,8 @@ def run_largest(names: list[str], store: pathlib.Path) -> dict[str, Any]:
     weight_map: dict[str, str] = {}
 
     def step(name: str, layers: int) -> dict[str, Any]:
+        # Progress as it goes: a run cut short still shows how far it came.
+        print(f"largest {name}: one step of {layers} layers", flush=True)
         start = time.perf_counter()
         weight_map.update(write_random_layers(store, layers))
         written = time.perf_counter() - start

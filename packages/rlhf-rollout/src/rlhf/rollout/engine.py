@@ -46,17 +46,25 @@ def _hf_config(model: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+@functools.cache
+def _vllm_sampling_types() -> tuple[Any, Any, dict[str, Any]]:
+    """vLLM's ``SamplingParams`` and ``RequestOutputKind``, and the arguments that make its
+    per-request copies shallow, looked up once: ``from vllm import …`` goes through vLLM's
+    lazy module attributes on every call (seeded requests all differ, so each one paid it)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    shallow = "skip_clone" in getattr(VllmSamplingParams, "__struct_fields__", ())
+    return VllmSamplingParams, RequestOutputKind, {"skip_clone": True} if shallow else {}
+
+
 @functools.lru_cache(maxsize=256)
 def _vllm_sampling(sampling: SamplingParams) -> Any:
     """vLLM's sampling parameters for ``sampling``, made once per distinct ``sampling`` and
     shared by its requests: vLLM copies them per request, shallowly where it can
     (``skip_clone``; its per-request changes are to scalar fields of the copy). On a 2-core
     CPU, 128 requests of the demo: 100 → 44 µs of ``add_request`` each."""
-    from vllm import SamplingParams as VllmSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    shallow = "skip_clone" in getattr(VllmSamplingParams, "__struct_fields__", ())
-    clone: dict[str, Any] = {"skip_clone": True} if shallow else {}
+    VllmSamplingParams, RequestOutputKind, clone = _vllm_sampling_types()
     return VllmSamplingParams(
         n=1,
         max_tokens=sampling.max_new_tokens,

@@ -64,7 +64,7 @@ and a float32 chunk of the log-softmax)."""
 def pinned(nbytes: float) -> float:
     """Host bytes one CUDA-pinned buffer of ``nbytes`` takes: torch's pinned-memory allocator
     rounds each block up to a power of two (a 7B-width model's float32 masters pinned one block
-    per tensor take 1.9x their bytes; an 8.8B model's host step ran out of memory that way)."""
+    per tensor take 1.9x their bytes, computed from its shapes)."""
     return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
 
 

@@ -17,6 +17,24 @@ def _steps(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "reward/mean" in r}
 
 
+def test_cpu_ranks_run_without_torchdynamo_unless_the_role_compiles(monkeypatch) -> None:
+    """`rank_env`: a CPU rank gets ``TORCHDYNAMO_DISABLE=1`` (nothing there compiles, and
+    DeepSpeed's optimizer check would import Inductor); a role that compiles
+    (``fsdp.compile``), a GPU rank and a caller who set the variable get nothing."""
+    from rlhf.cli.backends import rank_env
+    from rlhf.cli.config import RoleConfig
+    from rlhf.molt import FSDPConfig
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    off = {"TORCHDYNAMO_DISABLE": "1"}
+    assert rank_env(RoleConfig(), gpu=False) == off
+    assert rank_env(RoleConfig(backend="molt"), gpu=False) == off
+    assert rank_env(RoleConfig(backend="molt", fsdp=FSDPConfig(compile=True)), gpu=False) == {}
+    assert rank_env(RoleConfig(), gpu=True) == {}
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert rank_env(RoleConfig(), gpu=False) == {}
+
+
 def test_ppo_trains_syncs_and_resumes_on_fsdp2(assets, tmp_path) -> None:
     """PPO (actor on 2 FSDP2 ranks, critic and reference on FSDP2 too) for 3 steps with a
     checkpoint at step 2, and the same run resumed from that checkpoint: the engine verifies

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import pathlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,20 @@ BACKENDS: dict[str, Callable[[RoleConfig], Any]] = {"deepspeed": _deepspeed, "mo
 def backend_factory(role: RoleConfig) -> Any:
     """The `rlhf.learner.BackendFactory` of ``role`` (validated: see `role_problems`)."""
     return BACKENDS[role.backend](role)
+
+
+def rank_env(role: RoleConfig, *, gpu: bool) -> dict[str, str]:
+    """Environment variables of ``role``'s rank processes: on CPUs, TorchDynamo off
+    (``TORCHDYNAMO_DISABLE=1``) unless the role compiles (``fsdp.compile``; DeepSpeed's
+    deepcompile and the fused log-prob chunks compile on CUDA only) or this process's
+    environment sets it. DeepSpeed's optimizer check imports its Muon optimizer, whose module
+    wraps three functions in ``torch.compile`` at import: that alone imported Inductor, ~20 %
+    of a CPU rank's start-up samples in the demo."""
+    if gpu or (role.backend == "molt" and role.fsdp.compile):
+        return {}
+    if "TORCHDYNAMO_DISABLE" in os.environ:
+        return {}
+    return {"TORCHDYNAMO_DISABLE": "1"}
 
 
 def role_problems(role: RoleConfig, *, flag: str) -> list[str]:

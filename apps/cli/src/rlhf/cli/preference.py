@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlhf.cli.backends import backend_factory, role_problems
+from rlhf.cli.backends import backend_factory, rank_env, role_problems
 from rlhf.cli.config import (
     CkptConfig,
     ConfigError,
@@ -349,6 +349,7 @@ def run_preference(
             num_ranks=role.num_ranks,
             num_cpus_per_rank=role.num_cpus_per_rank,
             num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+            env=rank_env(role, gpu=gpu),
             scheduling=role_strategies(role, flag="--model.node"),
         )
         learner = role.with_model(kind="scalar" if kind == "rm" else "causal_lm").learner(

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlhf.cli.backends import backend_factory
+from rlhf.cli.backends import backend_factory, rank_env
 from rlhf.cli.config import RLConfig, RoleConfig, VllmConfig
 from rlhf.cli.hybrid import TurnTaking, measure_headroom
 from rlhf.cli.placement import Placement, place, processes, where_this_process_runs
@@ -224,6 +224,7 @@ def start_learner(
         num_ranks=role.num_ranks,
         num_cpus_per_rank=role.num_cpus_per_rank,
         num_gpus_per_rank=placement.gpus.get(name, role.num_gpus_per_rank) if gpu else 0.0,
+        env=rank_env(role, gpu=gpu),
         scheduling=placement.strategies(name, role.num_ranks),
     )
     return group, group.start_build(learner, backend=backend_factory(role))

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.cli.backends import backend_factory, role_problems
+from rlhf.cli.backends import backend_factory, rank_env, role_problems
 from rlhf.cli.config import (
     CkptConfig,
     ConfigError,
@@ -184,6 +184,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             num_ranks=role.num_ranks,
             num_cpus_per_rank=role.num_cpus_per_rank,
             num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+            env=rank_env(role, gpu=gpu),
             scheduling=role_strategies(role, flag="--model.node"),
         )
         group.build(

@@ -143,23 +143,6 @@ def _role(case: Case, model_dir: pathlib.Path) -> Any:
     )
 
 
-def estimate(case: Case, model_dir: pathlib.Path) -> float:
-    """The planner's allocator peak for ``case``, in GiB."""
-    from rlhf.cli.capacity import GIB
-    from rlhf.cli.dry_run import learner_memory
-    from rlhf.cli.model_shape import ModelShape
-
-    shape = ModelShape.read(model_dir, flag="--model")
-    memory = learner_memory(
-        _role(case, model_dir),
-        shape,
-        tokens=case.rows * LENGTH,
-        trains=case.trains,
-        outputs=shape.vocab,
-    )
-    return memory.allocated / GIB
-
-
 def plan(case: Case, model_dir: pathlib.Path) -> Any:
     """The planner's `Memory` of one rank of ``case`` (device parts, host)."""
     from rlhf.cli.dry_run import learner_memory
@@ -170,6 +153,13 @@ def plan(case: Case, model_dir: pathlib.Path) -> Any:
         _role(case, model_dir), shape, tokens=case.rows * LENGTH, trains=case.trains,
         outputs=shape.vocab,
     )  # fmt: skip
+
+
+def estimate(case: Case, model_dir: pathlib.Path) -> float:
+    """The planner's allocator peak for ``case``, in GiB."""
+    from rlhf.cli.capacity import GIB
+
+    return plan(case, model_dir).allocated / GIB
 
 
 def measure_child(name: str, model_dir: pathlib.Path, *, steps: int = 2) -> None:

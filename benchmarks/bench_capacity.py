@@ -482,6 +482,10 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
         return
+    for flag, given, known in (("--size", args.size, SCALES), ("--cases", args.cases, CASES)):
+        unknown = sorted(set(filter(None, given.split(","))) - set(known))
+        if unknown:
+            parser.error(f"{flag}: unknown {unknown}; choose from {sorted(known)}")
     for size in args.size.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = pathlib.Path(tmp)

@@ -21,7 +21,8 @@ its host memory). The planner picks, per level, the most decoder layers of Qwen2
 (`WIDE`, untied head) whose plan fits the GPU (`Memory.total`) and the host (`Memory.host`
 within `HOST_SHARE` of the memory available); that model then takes one PPO actor step on
 8 × 2048 tokens (one row per micro-batch, gradient checkpointing on) in a fresh process, which
-reports its peak device allocation, its peak resident host memory and the step's seconds.
+reports its peak device allocation, its peak resident host memory and the step's seconds; a
+step that fails is tried one layer smaller (`LARGEST_RETRIES`).
 The weights are random bf16 safetensors written once, a file per layer; each size is a folder
 of links to its first layers.
 
@@ -113,12 +114,15 @@ WIDE = {
 
 HOST_SHARE = 0.85
 """The part of the host's available memory a plan's offloaded states may take (the rest: the
-process, the loader's copies, pinned staging)."""
+process's own memory, 5-7 GiB in the steps measured on an H100)."""
 
 MAX_LAYERS = 96
 
 NO_GPU_PLANS_FOR = 80 * 2**30
 """Without a GPU, ``--largest`` prints the plans for a GPU of this size (an H100's 80 GiB)."""
+
+LARGEST_RETRIES = 2
+"""``--largest``: sizes tried one layer smaller after the planned one failed."""
 
 CHILD_TIMEOUT_S = 480
 """A measuring child that runs longer than this is stopped (its case reports the timeout)."""
@@ -359,13 +363,9 @@ def machine_bytes() -> tuple[int | None, int]:
     return (None if gpu is None else int(gpu) * 2**20), host
 
 
-def largest_layers(
-    case: Case, store: pathlib.Path, *, gpu: int, host: int, host_per_param: float | None = None
-) -> dict[str, Any]:
+def largest_layers(case: Case, store: pathlib.Path, *, gpu: int, host: int) -> dict[str, Any]:
     """The most `WIDE` layers whose plan of ``case`` fits ``gpu`` and ``HOST_SHARE`` of
-    ``host`` bytes, with the plan of that model and of one layer more. With
-    ``host_per_param``, host memory is that many bytes per parameter (measured) instead of
-    the plan's offloaded states."""
+    ``host`` bytes, with the plan of that model and of one layer more."""
     from rlhf.cli.model_shape import ModelShape
 
     best = None
@@ -375,7 +375,7 @@ def largest_layers(
         (folder / "config.json").write_text(json.dumps(wide_config(layers)))
         memory = plan(case, folder)
         params = ModelShape.read(folder, flag="--model").params
-        on_host = memory.host if host_per_param is None else host_per_param * params
+        on_host = memory.host
         entry = {
             "layers": layers,
             "params_b": params / 1e9,
@@ -392,9 +392,9 @@ def largest_layers(
 
 def run_largest(names: list[str], store: pathlib.Path) -> dict[str, Any]:
     """``--largest``: per offload level, the planner's largest `WIDE` model and, on a GPU, one
-    step of it. Where the host bounds it, a step of a model half that size measures the host
-    memory per parameter first (peak resident memory / parameters: the process's own baseline
-    included, so on the safe side) and the layer count is chosen again from it."""
+    step of it. A step that fails (out of device memory, or killed by the host's OOM killer)
+    is tried again one layer smaller, at most `LARGEST_RETRIES` times: the first step that
+    completes is the level's measured largest, and each failed size is kept."""
     found_gpu, host = machine_bytes()
     gpu = found_gpu or NO_GPU_PLANS_FOR
     out: dict[str, Any] = {"gpu_gib": gpu / 2**30, "host_available_gib": host / 2**30}
@@ -407,7 +407,7 @@ def run_largest(names: list[str], store: pathlib.Path) -> dict[str, Any]:
         weight_map.update(write_random_layers(store, layers))
         written = time.perf_counter() - start
         measured = _measure(name, wide_model(store, weight_map, layers), steps=1)
-        return measured | {"weights_written_s": written}
+        return measured | {"weights_written_s": written, "layers": layers}
 
     for name in names:
         found = largest_layers(LARGEST[name], store, gpu=gpu, host=host)
@@ -416,34 +416,26 @@ def run_largest(names: list[str], store: pathlib.Path) -> dict[str, Any]:
         if found_gpu is None:  # no GPU here: the plans only
             print(f"largest {name} (planned for {gpu / 2**30:.0f} GiB):", json.dumps(result))
             continue
-        if found["largest"] and found["next"] and found["next"]["bound"] == "host":
-            probe_layers = max(found["largest"]["layers"] // 2, 1)
-            probe = step(name, probe_layers)
-            result["probe"] = probe | {"layers": probe_layers}
-            print(f"largest {name} probe:", json.dumps(result["probe"]), flush=True)
-            if "host_peak_gib" in probe:
-                per_param = probe["host_peak_gib"] * 2**30 / (plan_params(store, probe_layers))
-                result["host_bytes_per_param"] = per_param
-                found = largest_layers(
-                    LARGEST[name], store, gpu=gpu, host=host, host_per_param=per_param
-                )
-                result["chosen"] = found
-        if found["largest"]:
-            measured = step(name, found["largest"]["layers"])
-            result["measured"] = measured | {"layers": found["largest"]["layers"]}
-            if "peak_gib" in measured:
+        layers = found["largest"]["layers"] if found["largest"] else 0
+        failed = []
+        while layers >= 1 and len(failed) <= LARGEST_RETRIES:
+            measured = step(name, layers)
+            if "error" not in measured:
+                planned = plan(LARGEST[name], store / f"plan-{layers}")
+                result["measured"] = measured
                 result["ratio_plan_over_measured"] = (
-                    found["largest"]["plan_allocated_gib"] / measured["peak_gib"]
+                    planned.allocated / 2**30 / measured["peak_gib"]
                 )
+                if planned.host:
+                    result["ratio_host_measured_over_plan"] = measured["host_peak_gib"] / (
+                        planned.host / 2**30
+                    )
+                break
+            failed.append(measured)
+            layers -= 1
+        result["failed"] = failed
         print(f"largest {name}:", json.dumps(result), flush=True)
     return out
-
-
-def plan_params(store: pathlib.Path, layers: int) -> int:
-    """Parameters of the `WIDE` model of ``layers`` layers (its plan folder's config)."""
-    from rlhf.cli.model_shape import ModelShape
-
-    return ModelShape.read(store / f"plan-{layers}", flag="--model").params
 
 
 def main() -> None:

@@ -54,6 +54,13 @@ def test_the_shape_counts_every_parameter_of_the_transformers_model(name, tmp_pa
     assert shape.params == sum(p.numel() for p in model.parameters())  # tied: counted once
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
     assert shape.layer_params == layer
+    # One entry per tensor, as the host buffers pinned per tensor see them.
+    assert sorted(shape.layer_tensors) == sorted(
+        p.numel() for p in model.model.layers[0].parameters()
+    )
+    layer_ids = {id(p) for p in model.model.layers.parameters()}
+    others = [p.numel() for p in model.parameters() if id(p) not in layer_ids]
+    assert sorted(shape.other_tensors) == sorted(others)
 
 
 def test_kv_bytes_per_token_equal_what_a_forward_caches(tmp_path):
@@ -318,7 +325,8 @@ def test_a_molt_rank_peaks_in_adamw_step_at_20_bytes_per_parameter(tmp_path):
     """molt without offload: float32 shards 4, moments 8, gradients 4 and AdamW's square root
     of every second moment 4 bytes per parameter in its step (more than a short checkpointed
     backward); with the optimizer on the host the device holds no step and the host 12 bytes
-    per parameter (masters and moments)."""
+    per parameter (masters and moments) and one float32 gradient (the largest, the
+    embedding's)."""
     from rlhf.molt import FSDPConfig
 
     model = _config_dir(tmp_path, "m", **LLAMA_8B)
@@ -332,7 +340,7 @@ def test_a_molt_rank_peaks_in_adamw_step_at_20_bytes_per_parameter(tmp_path):
     host = RoleConfig(backend="molt", fsdp=FSDPConfig(param_dtype="bfloat16", offload="optimizer"))
     offloaded = learner_memory(host, shape, tokens=256, trains=True, outputs=shape.vocab)
     assert "optimizer step" not in offloaded.parts
-    assert offloaded.host == 12 * shape.params
+    assert offloaded.host == 12 * shape.params + 4 * 128256 * 4096  # and one gradient
 
 
 def test_one_layer_scale_is_linear_in_the_micro_batch(tmp_path):
@@ -389,20 +397,100 @@ def test_a_tensor_parallel_reference_takes_a_gpu_per_rank_of_its_replica(tmp_pat
     assert refs[0].memory.parts["weights"] == 4 * split
 
 
+# Llama-3-8B's tensors pinned one buffer each, rounded up to a power of two: q and o
+# (4096 x 4096) and k and v (4096 x 1024) are powers of two already, the MLP's 4096 x 14336
+# rounds up to 4096 x 16384, the embedding and head (128256 x 4096) to 131072 x 4096.
+LLAMA_8B_LAYER_ROUNDED = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 16384 + 2 * 4096
+LLAMA_8B_ROUNDED = 32 * LLAMA_8B_LAYER_ROUNDED + 2 * 131072 * 4096 + 4096
+"""Elements, each tensor rounded; times the bytes per element for one pinned buffer each."""
+
+
 def test_zero2_offload_pins_masters_staging_and_gradients_on_the_host(tmp_path):
     """ZeRO-2 with the optimizer on the host (bf16, one rank) keeps there the float32 masters
     (4 bytes per parameter), their bf16 staging copy (2) and the float32 gradients (4), each
-    pinned and so rounded up to a power of two, and AdamW's moments (8), pageable. For 8.03B
-    parameters: 32.1 GB pins 2**35 bytes, 16.1 GB pins 2**34; two ranks halve every buffer."""
+    pinned and so rounded up to a power of two; a pinned bf16 buffer of the largest
+    parameter's gradient; one pinned bf16 buffer per parameter accumulating micro-batches;
+    AdamW's moments (8) and its step's two float32 temporaries (8), pageable. For 8.03B
+    parameters: 32.1 GB pins 2**35 bytes, 16.1 GB pins 2**34; two ranks halve the flat
+    buffers and hold the per-parameter buffers of half the tensors."""
     from rlhf.learner import DeepSpeedConfig
 
     model = _config_dir(tmp_path, "m", **LLAMA_8B)
     shape = ModelShape.read(model, flag="--actor.model.path")
     assert 2**33 < 2 * shape.params <= 2**34 < 4 * shape.params <= 2**35
+    head = 2 * 131072 * 4096  # the bf16 embedding, rounded
     ds = DeepSpeedConfig(bf16=True, offload_optimizer=True)
     one = learner_memory(RoleConfig(deepspeed=ds), shape, tokens=256, trains=True, outputs=1)
-    assert one.host == 2**35 + 2**34 + 2**35 + 8 * shape.params
+    flat = 2**35 + 2**34 + 2**35 + head
+    assert one.host == flat + 2 * LLAMA_8B_ROUNDED + 16 * shape.params
     two = learner_memory(
         RoleConfig(deepspeed=ds, num_ranks=2), shape, tokens=256, trains=True, outputs=1
     )
-    assert two.host == 2**34 + 2**33 + 2**34 + 4 * shape.params
+    flat = 2**34 + 2**33 + 2**34 + head
+    assert two.host == flat + LLAMA_8B_ROUNDED + 8 * shape.params
+
+
+def test_zero3_offload_pins_gradients_flat_and_per_sub_group_and_parameters_per_tensor(
+    tmp_path,
+):
+    """ZeRO-3 with optimizer and parameters on the host (bf16, one rank): float32 gradients
+    pinned flat (32.1 GB: 2**35) and per optimizer sub-group of 1e9 elements (8 of 4 GB: 2**32
+    each, and the last 0.03e9: 2**27), pageable float32 masters and moments (12 bytes per
+    parameter); the bf16 parameters pinned flat (16.1 GB: 2**34) and, first, per tensor."""
+    from rlhf.learner import DeepSpeedConfig
+
+    model = _config_dir(tmp_path, "m", **LLAMA_8B)
+    shape = ModelShape.read(model, flag="--actor.model.path")
+    rest = shape.params - 8 * 10**9
+    assert 2**26 < 4 * rest <= 2**27
+    ds = DeepSpeedConfig(bf16=True, zero_stage=3, offload_optimizer=True, offload_params=True)
+    memory = learner_memory(RoleConfig(deepspeed=ds), shape, tokens=256, trains=True, outputs=1)
+    gradients = 2**35 + 8 * 2**32 + 2**27
+    parameters = 2**34 + 2 * LLAMA_8B_ROUNDED
+    assert memory.host == gradients + 12 * shape.params + parameters
+
+
+def test_molt_full_offload_pins_every_shard_and_gradient_on_its_own(tmp_path):
+    """molt ``offload full`` (one rank): FSDP2 pins each float32 shard and each float32
+    gradient by itself (each rounded up to a power of two), AdamW's moments are pageable
+    (8 bytes per parameter) and its host step holds two float32 temporaries of the largest
+    tensor (the embedding); two ranks pin half of each tensor and keep half the moments."""
+    from rlhf.molt import FSDPConfig
+
+    model = _config_dir(tmp_path, "m", **LLAMA_8B)
+    shape = ModelShape.read(model, flag="--actor.model.path")
+    largest = 128256 * 4096
+    for ranks in (1, 2):
+        role = RoleConfig(
+            backend="molt", num_ranks=ranks, fsdp=FSDPConfig(param_dtype="bfloat16", offload="full")
+        )
+        memory = learner_memory(role, shape, tokens=256, trains=True, outputs=shape.vocab)
+        pinned = 2 * 4 * LLAMA_8B_ROUNDED // ranks  # shards and gradients
+        assert memory.host == pinned + (8 * shape.params + 8 * largest) / ranks
+
+
+def test_host_and_device_plans_against_the_largest_steps_measured_on_an_h100(tmp_path):
+    """bench_capacity ``--largest``'s steps (tests/data/measured_peaks.json): where the GPU
+    bounds the level, the planned device allocation is within 15 % of the measured peak;
+    wherever states are offloaded, the measured host peak (which includes the process's own
+    few GiB) is 0.95-1.10 times the planned host memory."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_capacity import LARGEST, plan, wide_config
+
+    points = json.loads(MEASURED.read_text())["largest"]
+    device, host = {}, {}
+    for point in points:
+        key = f"{point['level']}/{point['layers']}"
+        model_dir = tmp_path / key.replace("/", "-")
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(wide_config(point["layers"])))
+        memory = plan(LARGEST[point["level"]], model_dir)
+        if point["bound"] == "gpu":
+            device[key] = memory.allocated / 2**30 / point["device_gib"]
+        if memory.host:
+            host[key] = point["host_gib"] / (memory.host / 2**30)
+    assert len(device) == 3 and len(host) == 9, (device, host)
+    outside = {k: round(r, 3) for k, r in device.items() if not 0.85 <= r <= 1.15}
+    assert not outside, f"planned/measured device peak outside 0.85-1.15: {outside}"
+    outside = {k: round(r, 3) for k, r in host.items() if not 0.95 <= r <= 1.10}
+    assert not outside, f"measured/planned host memory outside 0.95-1.10: {outside}"

@@ -20,6 +20,8 @@ ZeRO-1 / ZeRO-2               ``2p``               ``12p / dp``        ``2p`` / 
 ZeRO-3                        ``2p / dp`` + the    ``12p / dp``        ``2p / dp``
                               gathered layers
 ``offload_optimizer``         as above             0 (host)            one reduce bucket
+                                                                       (ZeRO-1/2: and the
+                                                                       largest parameter)
 ============================  ===================  ==================  ==================
 
 A bf16 rank's peak is the larger of the backward's (the table and the activations) and the
@@ -34,10 +36,16 @@ Adam) and ``4p / dp`` float32 gradients, and its optimizer step adds ``4t / dp``
 (`ADAM_STEP_BYTES_PER_PARAM`); ``optimizer`` keeps the ``4p / dp`` shards and the gradients
 (masters and Adam on the host, stepped one parameter at a time); ``full`` keeps neither.
 
-Host memory of DeepSpeed ZeRO-1/2 ``offload_optimizer`` (DeepSpeed 0.19's stage_1_and_2 on a
-GPU): the float32 master partition, a ``w``-byte staging copy of it and the float32 gradient
-partition, each pinned (`pinned`: a power of two), and AdamW's two moments, pageable:
-``pinned(4t / dp) + pinned(w t / dp) + pinned(4t / dp) + 8t / dp``.
+Host memory (offloaded states, without the process's own few GiB) is DeepSpeed 0.19's and
+FSDP2's buffers as their sources allocate them on a GPU, where they are pinned and torch's
+pinned allocator rounds each buffer up to a power of two (`pinned`): see
+`_deepspeed_offloaded_optimizer` for ``offload_optimizer``; ``offload_params`` pins each
+parameter's partition and, for a trained role, its optimizer pins a flat copy of them too
+(the allocator keeps the first blocks after the copy); molt
+``optimizer`` keeps pageable float32 masters and moments (``12t / dp``) and one gradient;
+``full`` pins every shard and every gradient on its own. Checked on an H100 against the peak
+resident memory of one PPO step of 6-33 layers of Qwen2.5-7B width (bench_capacity
+``--largest``; data in tests/data/measured_peaks.json): measured / planned 0.99-1.07.
 """
 
 from __future__ import annotations
@@ -82,6 +90,15 @@ float32 square root of the second moment of every parameter at once, so a molt `
 none`` step holds shards, moments and gradients plus ``4t / dp``: 20 bytes per parameter. A
 4.35B model that fitted the backward by 8 GiB ran out of memory there (bench_capacity
 ``--largest``)."""
+
+ADAMW_HOST_STEP_BYTES_PER_PARAM = 8
+"""Structural: torch's AdamW on host tensors (its single-tensor path) divides a square root
+of the second moment by a scalar, so one parameter's step holds two float32 temporaries of
+its size at once."""
+
+DEEPSPEED_SUB_GROUP = 1_000_000_000
+"""DeepSpeed's default ``zero_optimization.sub_group_size`` (elements): ZeRO-3 steps its
+optimizer one sub-group of the partition at a time (the backend keeps the default)."""
 
 FLOOR_BYTES = int(0.064 * GIB)
 """Measured: what torch's allocator holds in every process once a matmul ran (cuBLAS
@@ -155,6 +172,10 @@ class LearnerLoad:
         gradient_checkpointing: Only each layer's input is kept; one layer is recomputed at a
             time in the backward.
         logits_held: False with the chunked output head (no logits tensor is kept).
+        layer_tensors: Elements of each parameter tensor of one decoder layer
+            (`ModelShape.layer_tensors`), for host buffers pinned one per tensor; empty:
+            such buffers are counted without their rounding.
+        other_tensors: The same for the embedding, an untied head and the final norm.
     """
 
     params: int
@@ -174,6 +195,8 @@ class LearnerLoad:
     compute_bytes: int = 2
     gradient_checkpointing: bool = False
     logits_held: bool = True
+    layer_tensors: tuple[int, ...] = ()
+    other_tensors: tuple[int, ...] = ()
 
     @property
     def rank_params(self) -> int:
@@ -188,6 +211,34 @@ class LearnerLoad:
         if self.trainable is None:
             return self.rank_params
         return -(-self.trainable // self.tp)
+
+    def rank_tensors(self) -> tuple[int, ...]:
+        """Elements of each parameter tensor on one rank before data-parallel sharding: the
+        decoder layers' split ``tp`` ways, the others whole (empty without the tensor lists)."""
+        layer = tuple(-(-n // self.tp) for n in self.layer_tensors)
+        return layer * self.layers + self.other_tensors
+
+    @property
+    def largest_tensor(self) -> int:
+        """Elements of the rank's largest parameter tensor (the vocabulary matrix without the
+        tensor lists)."""
+        return max(self.rank_tensors(), default=self.vocab_matrix)
+
+    def pinned_per_tensor(
+        self, element_bytes: int, *, sharded: bool = True, trained: bool = False
+    ) -> float:
+        """Host bytes of one pinned buffer per parameter tensor of this rank, each rounded up
+        by `pinned`: of its ``1 / dp`` shard (FSDP2, DeepSpeed's ZeRO-3 partitions), or of the
+        whole tensor for ``1 / dp`` of the tensors (``sharded`` False: DeepSpeed's ZeRO-1/2
+        buffers per parameter). Without the tensor lists, and for LoRA's adapters (``trained``
+        with ``trainable`` set), their bytes unrounded."""
+        tensors = self.rank_tensors()
+        if (trained and self.trainable is not None) or not tensors:
+            count = self.rank_trainable if trained else self.rank_params
+            return element_bytes * count / self.dp
+        if sharded:
+            return sum(pinned(element_bytes * -(-n // self.dp)) for n in tensors)
+        return sum(pinned(element_bytes * n) for n in tensors) / self.dp
 
     def activations(self) -> float:
         """Bytes of activations at the backward's peak (forward-only roles: one layer's worth
@@ -223,20 +274,18 @@ def deepspeed_memory(
         gathered = w * (2 * load.layer_params / load.tp + load.vocab_matrix)
     if not load.trains:
         gradients = 0.0
-    elif offload_optimizer:
+    elif offload_optimizer:  # one reduce bucket; ZeRO-1/2 stage the largest gradient too
         gradients = min(w * t, w * reduce_bucket_elements)
+        if zero_stage in (1, 2):
+            gradients += w * load.largest_tensor
     else:
         gradients = w * t / (dp if zero_stage >= 2 else 1)
     host = 0.0
     if offload_optimizer and load.trains:
-        part = t / dp  # offloading needs ZeRO 1-3 (DeepSpeedConfig)
-        if zero_stage in (1, 2):  # masters, their staging copy and the gradients, pinned
-            host += pinned(4 * part) + pinned(w * part) + pinned(4 * part) + 8 * part
-        else:
-            host += states
+        host += _deepspeed_offloaded_optimizer(load, zero_stage=zero_stage)
         states = 0.0
-    if offload_params:
-        host += w * p / dp
+    if offload_params:  # each parameter's partition; a trained role's optimizer adds a flat one
+        host += load.pinned_per_tensor(w) + (pinned(w * p / dp) if load.trains else 0.0)
     backward = {
         "weights": weights,
         "gathered layers": gathered,
@@ -254,6 +303,29 @@ def deepspeed_memory(
             "optimizer step": STEP_BYTES_PER_PARAM * t / dp,
         }
     return Memory(parts=_larger(backward, step), host=host)
+
+
+def _deepspeed_offloaded_optimizer(load: LearnerLoad, *, zero_stage: int) -> float:
+    """Host bytes of a DeepSpeed rank's ``offload_optimizer`` states (DeepSpeed 0.19, pinned
+    buffers as on a GPU; ``t``: the rank's partition of the trained parameters).
+
+    ZeRO-1/2 (stage_1_and_2): float32 masters, their compute-dtype staging copy and float32
+    gradients, one pinned buffer each; a pinned compute-dtype buffer of the largest
+    parameter's gradient; one pinned buffer per parameter that accumulates its gradient over
+    a step's micro-batches (made once a step has more than one; counted always); AdamW's
+    moments ``8t`` and the temporaries of torch's AdamW on the one flat partition ``8t``
+    (its square root of the second moment and the quotient, both whole).
+
+    ZeRO-3 (stage3): the float32 gradients pinned once flat and once per optimizer sub-group
+    (`DEEPSPEED_SUB_GROUP` elements), the float32 masters and the moments, pageable."""
+    t, w = load.rank_trainable / load.dp, load.compute_bytes
+    if zero_stage in (1, 2):
+        buffers = pinned(4 * t) + pinned(w * t) + pinned(4 * t) + pinned(w * load.largest_tensor)
+        accumulation = load.pinned_per_tensor(w, sharded=False, trained=True)
+        return buffers + accumulation + 8 * t + ADAMW_HOST_STEP_BYTES_PER_PARAM * t
+    full, rest = divmod(int(t), DEEPSPEED_SUB_GROUP)
+    sub_groups = full * pinned(4 * DEEPSPEED_SUB_GROUP) + pinned(4 * rest)
+    return pinned(4 * t) + sub_groups + 4 * t + 8 * t
 
 
 def _larger(backward: dict[str, float], step: dict[str, float]) -> dict[str, float]:
@@ -276,7 +348,16 @@ def molt_memory(
         held = p if not reshard_after_forward else 2 * load.layer_params / load.tp
         copies = param_dtype_bytes * (held + load.embedding_params)
     on_device = offload != "full"
-    host = {"none": 0.0, "optimizer": shards + adam, "full": shards + adam + gradients}[offload]
+    host = 0.0
+    if offload == "optimizer":  # pageable masters and moments; one gradient at a time
+        host = shards + adam + (4 * load.largest_tensor / dp if load.trains else 0.0)
+    elif offload == "full":  # FSDP2 pins each shard and each gradient on its own
+        host = load.pinned_per_tensor(4) + adam
+        if load.trains:
+            largest = load.largest_tensor / dp
+            host += (
+                load.pinned_per_tensor(4, trained=True) + ADAMW_HOST_STEP_BYTES_PER_PARAM * largest
+            )
     backward = {
         "weights": (shards if on_device else 0.0) + copies,
         "optimizer states": adam if offload == "none" else 0.0,

@@ -99,6 +99,8 @@ def learner_memory(
         compute_bytes=compute_bytes(role),
         gradient_checkpointing=model.gradient_checkpointing,
         logits_held=not model.chunked_lm_head,
+        layer_tensors=shape.layer_tensors,
+        other_tensors=shape.other_tensors,
     )
     if role.backend == "molt":
         return molt_memory(

@@ -131,6 +131,27 @@ class ModelShape:
         return attention + 3 * h * self.intermediate + 2 * h
 
     @property
+    def layer_tensors(self) -> tuple[int, ...]:
+        """Elements of each parameter tensor of one decoder layer (q, k, v, o, their biases,
+        gate, up, down, the two norms): what a backend that keeps one host buffer per tensor
+        allocates one at a time."""
+        h, q, kv, i = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )
+        biases = ((q, kv, kv) if self.qkv_bias else ()) + ((h,) if self.o_bias else ())
+        return (h * q, h * kv, h * kv, q * h, *biases, i * h, i * h, h * i, h, h)
+
+    @property
+    def other_tensors(self) -> tuple[int, ...]:
+        """Elements of the tensors outside the decoder layers: the embedding, an untied head
+        and the final norm."""
+        head = () if self.tied else (self.vocab * self.hidden,)
+        return (self.vocab * self.hidden, *head, self.hidden)
+
+    @property
     def params(self) -> int:
         """Every parameter, a tied head counted once."""
         return self.embedding_params + self.layers * self.layer_params + self.hidden

@@ -5,6 +5,7 @@ the options it cannot serve stop the run before anything starts, naming the flag
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -35,6 +36,22 @@ def test_cpu_ranks_run_without_torchdynamo_unless_the_role_compiles(monkeypatch)
     assert rank_env(RoleConfig(), gpu=False) == {}
 
 
+def test_cpu_ranks_compute_with_the_machine_s_cores_unless_engines_run_beside_them(
+    monkeypatch,
+) -> None:
+    """`compute_threads`: in a synchronous CPU run a role's ranks share this machine's CPUs
+    while they compute (the engines wait); GPU ranks and ranks beside generating engines
+    (``--train.async_enable``) keep their own count (None)."""
+    from rlhf.cli.backends import compute_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
+    assert compute_threads(num_ranks=1, gpu=False, beside_engines=False) == 6
+    assert compute_threads(num_ranks=4, gpu=False, beside_engines=False) == 1
+    assert compute_threads(num_ranks=8, gpu=False, beside_engines=False) == 1
+    assert compute_threads(num_ranks=1, gpu=False, beside_engines=True) is None
+    assert compute_threads(num_ranks=1, gpu=True, beside_engines=False) is None
+
+
 def test_ppo_trains_syncs_and_resumes_on_fsdp2(assets, tmp_path) -> None:
     """PPO (actor on 2 FSDP2 ranks, critic and reference on FSDP2 too) for 3 steps with a
     checkpoint at step 2, and the same run resumed from that checkpoint: the engine verifies
@@ -53,6 +70,11 @@ def test_ppo_trains_syncs_and_resumes_on_fsdp2(assets, tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-4000:]
     assert "actor 2 rank(s) FSDP2 (molt, float32)" in out.stdout
     assert "critic 1 rank(s) FSDP2 (molt, float32)" in out.stdout
+    cpus = len(os.sched_getaffinity(0))
+    threads = f"actor {max(1, cpus // 2)}, ref {cpus}, critic {cpus}"
+    assert f"CPU threads per learner rank while it computes (the engines wait): {threads}" in (
+        out.stdout
+    )
     a = _steps(whole)
     assert sorted(a) == [1, 2, 3]
     assert all(r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0 for r in a.values())

@@ -264,3 +264,39 @@ def test_offload_optimizer_at_zero0_is_refused_naming_the_flag() -> None:
         DeepSpeedConfig(zero_stage=0, offload_optimizer=True)
     for stage in (1, 2, 3):
         assert DeepSpeedConfig(zero_stage=stage, offload_optimizer=True).offload_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class _CountingThreads:
+    """A PPO objective that also reports the intra-op threads its rank computes with."""
+
+    inner: PPOActorObjective
+
+    def __call__(self, model, batch):
+        loss, metrics = self.inner(model, batch)
+        return loss, {**metrics, "threads": torch.tensor(float(torch.get_num_threads()))}
+
+
+def _threads_per_row(model, batch) -> torch.Tensor:
+    return torch.full((batch.size,), float(torch.get_num_threads()))
+
+
+def test_compute_threads_hold_during_a_rank_s_compute_calls_only(group, tiny, ppo) -> None:
+    """``LearnerGroup.compute_threads``: every rank trains and runs forwards with that many
+    torch intra-op threads and is back at its own count afterwards; None leaves its count."""
+    group.build(learner(tiny), backend=DeepSpeedBackend)
+    own = group.num_threads()
+    wanted = own[0] + 2
+    batch, objective = ppo[0]
+    counting = _CountingThreads(objective)
+    try:
+        group.compute_threads = wanted
+        assert group.train_step(batch, counting, max_rows=MAX_ROWS)["threads"] == wanted
+        rows = group.forward(batch, _threads_per_row, max_rows=MAX_ROWS)
+        assert {float(t) for _, values in rows for t in values} == {wanted}
+        assert group.num_threads() == own
+    finally:
+        group.compute_threads = None
+    assert group.train_step(batch, counting, max_rows=MAX_ROWS)["threads"] == own[0]
+    rows = group.forward(batch, _threads_per_row, max_rows=MAX_ROWS)
+    assert {float(t) for _, values in rows for t in values} == {own[0]}

@@ -53,6 +53,20 @@ def rank_env(role: RoleConfig, *, gpu: bool) -> dict[str, str]:
     return {"TORCHDYNAMO_DISABLE": "1"}
 
 
+def compute_threads(*, num_ranks: int, gpu: bool, beside_engines: bool) -> int | None:
+    """torch intra-op threads for each of a role's ``num_ranks`` CPU ranks while it trains or
+    runs a forward (`rlhf.learner.LearnerGroup.compute_threads`): this machine's CPUs shared
+    among them, since in a synchronous run the engines wait while the learners compute, and
+    the roles take their turns one after another (as in ``rlhf train sft|rm|dpo``). None on
+    GPUs and when the engines generate meanwhile (``beside_engines``: ``--train.async_enable``):
+    the ranks keep what Ray gives them, one thread per CPU they reserve and at least one.
+    Demo RL stage on 2 cores: training 58.6 -> 47.7 ms per step (median of 3 runs each)."""
+    if gpu or beside_engines:
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // num_ranks)
+
+
 def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
     """What keeps ``role`` (flags ``--{flag}.*``) from building on its backend, each message
     naming the flag and what to do; empty when it can."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlhf.cli.backends import backend_factory, rank_env, role_problems
+from rlhf.cli.backends import backend_factory, compute_threads, rank_env, role_problems
 from rlhf.cli.config import (
     CkptConfig,
     ConfigError,
@@ -351,6 +351,9 @@ def run_preference(
             num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
             env=rank_env(role, gpu=gpu),
             scheduling=role_strategies(role, flag="--model.node"),
+        )
+        group.compute_threads = compute_threads(
+            num_ranks=role.num_ranks, gpu=gpu, beside_engines=False
         )
         learner = role.with_model(kind="scalar" if kind == "rm" else "causal_lm").learner(
             seed=config.seed, total_steps=config.num_steps

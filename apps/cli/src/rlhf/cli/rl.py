@@ -118,6 +118,14 @@ def run_rl(
     executors.generator = roles.pool
     if roles.turns is not None:
         echo(f"[plan] {roles.turns.describe()}")
+    threads = {
+        name: group.compute_threads
+        for name, group in roles.learner_groups().items()
+        if group.compute_threads is not None
+    }
+    if threads:
+        each = ", ".join(f"{name} {n}" for name, n in threads.items())
+        echo(f"[plan] CPU threads per learner rank while it computes (the engines wait): {each}")
     echo(
         f"[plan] weight sync: {transport} ({why}), {t.weight_bucket_mib} MiB buckets, "
         f"read-back {config.verify_mode}"

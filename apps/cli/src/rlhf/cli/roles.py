@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlhf.cli.backends import backend_factory, rank_env
+from rlhf.cli.backends import backend_factory, compute_threads, rank_env
 from rlhf.cli.config import RLConfig, RoleConfig, VllmConfig
 from rlhf.cli.hybrid import TurnTaking, measure_headroom
 from rlhf.cli.placement import Placement, place, processes, where_this_process_runs
@@ -283,6 +283,10 @@ def start_roles(
     ).items():
         groups[name], pending[name] = start_learner(
             name, role, learner, placement=placement, gpu=gpu
+        )
+    for group in groups.values():
+        group.compute_threads = compute_threads(
+            num_ranks=group.world_size, gpu=gpu, beside_engines=config.train.async_enable
         )
     waited_from = time.perf_counter() - start
     ready.update({n: waited_from + s for n, s in wait_ready(pending).items()})

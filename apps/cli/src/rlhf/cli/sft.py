@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.cli.backends import backend_factory, rank_env, role_problems
+from rlhf.cli.backends import backend_factory, compute_threads, rank_env, role_problems
 from rlhf.cli.config import (
     CkptConfig,
     ConfigError,
@@ -186,6 +186,9 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
             env=rank_env(role, gpu=gpu),
             scheduling=role_strategies(role, flag="--model.node"),
+        )
+        group.compute_threads = compute_threads(
+            num_ranks=role.num_ranks, gpu=gpu, beside_engines=False
         )
         group.build(
             role.learner(seed=config.seed, total_steps=config.num_steps),

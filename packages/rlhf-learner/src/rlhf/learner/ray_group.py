@@ -14,9 +14,10 @@ same arguments and runs it on every rank. Ray is imported when a group is create
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from rlhf.learner import checkpoint as ckpt
@@ -31,6 +32,23 @@ from rlhf.learner.role import (
     rank_work,
     row_results,
 )
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` for the block, then back (None: left as
+    they are)."""
+    import torch
+
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class RankWorker:
@@ -62,12 +80,26 @@ class RankWorker:
         return int(rank), int(getattr(self.backend, "dp_size", self.backend.world_size))
 
     def train_micro_batches(
-        self, micro: Sequence[Batch], objective: Objective, weights: Sequence[float] | None
+        self,
+        micro: Sequence[Batch],
+        objective: Objective,
+        weights: Sequence[float] | None,
+        threads: int | None = None,
     ) -> dict[str, float]:
-        return self.backend.train_micro_batches(micro, objective, weights=weights)
+        with intra_op_threads(threads):
+            return self.backend.train_micro_batches(micro, objective, weights=weights)
 
-    def forward_micro_batches(self, micro: Sequence[Batch], fn: ForwardFn) -> list[Any]:
-        return self.backend.forward_micro_batches(micro, fn)
+    def forward_micro_batches(
+        self, micro: Sequence[Batch], fn: ForwardFn, threads: int | None = None
+    ) -> list[Any]:
+        with intra_op_threads(threads):
+            return self.backend.forward_micro_batches(micro, fn)
+
+    def num_threads(self) -> int:
+        """torch's intra-op threads in this rank's process now."""
+        import torch
+
+        return torch.get_num_threads()
 
     def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> None:
         self.backend.save_checkpoint(directory, client_state=client_state)
@@ -152,6 +184,11 @@ class LearnerGroup:
             for r in range(num_ranks)
         ]
         self.world_size = num_ranks
+        self.compute_threads: int | None = None
+        """torch intra-op threads each rank uses while it trains or runs a forward (then back
+        to the process's own: Ray starts an actor with as many as the CPUs it reserves, at
+        least 1); None leaves them. For CPU machines where nothing else computes meanwhile
+        (a synchronous run's learner phases)."""
         self.packing_samples = False  # set by build(): token budgets count real tokens
         self._dp_ranks: list[int] | None = None  # per rank, asked of the backends once built
 
@@ -264,7 +301,7 @@ class LearnerGroup:
     def _train(
         self, parts: list[tuple[list[Batch], list[float]]], objective: Objective
     ) -> dict[str, float]:
-        per_rank = self._per_rank([(m, objective, w) for m, w in parts])
+        per_rank = self._per_rank([(m, objective, w, self.compute_threads) for m, w in parts])
         results = self._all("train_micro_batches", per_rank=per_rank)
         return merge_train_metrics([results[r] for r in self._leaders()])
 
@@ -279,9 +316,8 @@ class LearnerGroup:
         """`rlhf.learner.Role.forward` on every rank; ``[(rows, result), ...]`` in row
         order."""
         work, dealt = self._split(batch, max_tokens, max_rows)
-        results = self._all(
-            "forward_micro_batches", per_rank=self._per_rank([(m, fn) for m, _ in work])
-        )
+        per_rank = self._per_rank([(m, fn, self.compute_threads) for m, _ in work])
+        results = self._all("forward_micro_batches", per_rank=per_rank)
         return row_results(dealt, [results[r] for r in self._leaders()])
 
     def save(
@@ -318,6 +354,10 @@ class LearnerGroup:
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(backend, *args)`` on every rank."""
         return self._all("run", fn, *args)
+
+    def num_threads(self) -> list[int]:
+        """Every rank's torch intra-op threads now (outside its compute calls)."""
+        return self._all("num_threads")
 
     def shutdown(self) -> None:
         """Kill the rank processes."""

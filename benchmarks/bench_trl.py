@@ -14,8 +14,10 @@ RL wall time, final pass@1. Ratios: ours / TRL for step time and time to step 1.
 Ours is ``rlhf demo --sft_model …`` (vLLM engine, DeepSpeed learner, Ray), with its start-up
 record (``startup.json``) and per-step ``time/step_s``; TRL's run is this file with ``--trl``
 (generation with transformers ``generate``, one process). Thread counts: each of our processes
-runs torch with one thread (Ray gives each actor one), TRL's single process uses torch's default
-(``--trl-threads``, default: the machine's cores); both are printed.
+runs torch with one thread (Ray gives each actor one) except the learner's rank inside its train
+and forward calls, which uses the machine's cores (`rlhf.cli.backends.compute_threads`); TRL's
+single process uses torch's default (``--trl-threads``, default: the machine's cores); all are
+printed.
 
 Usage (nox installs TRL in a session of its own): ``nox -s bench_trl -- [--steps 40] [--rounds 2]``
 """
@@ -228,13 +230,19 @@ def main() -> None:
                 flush=True,
             )
 
+    from rlhf.cli.backends import compute_threads
+
     def med(side: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[side])
 
     report = {
         "steps": args.steps,
         "rounds": args.rounds,
-        "threads": {"ours_per_process": 1, "trl": runs["trl"][0]["threads"]},
+        "threads": {
+            "ours_per_process": 1,
+            "ours_learner_computing": compute_threads(num_ranks=1, gpu=False, beside_engines=False),
+            "trl": runs["trl"][0]["threads"],
+        },
         "sft_pass@1": pass_at_1(sft, eval_rows, seed=args.seed),
         **{
             f"{side}_{key}": med(side, key)

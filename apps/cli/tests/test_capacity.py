@@ -430,6 +430,31 @@ def test_zero2_offload_pins_masters_staging_and_gradients_on_the_host(tmp_path):
     assert two.host == flat + LLAMA_8B_ROUNDED + 8 * shape.params
 
 
+def test_zero2_offload_of_lora_adapters_counts_only_the_adapters(tmp_path):
+    """With LoRA only the adapters ``t`` are trained: the flat buffers, the largest-gradient
+    buffer (at most all adapters) and the accumulation buffers hold ``t`` elements, with the
+    moments and AdamW's temporaries ``16t`` pageable."""
+    import math
+
+    from rlhf.cli.dry_run import lora_params
+    from rlhf.learner import DeepSpeedConfig, ModelConfig
+
+    model = _config_dir(tmp_path, "m", **LLAMA_8B)
+    shape = ModelShape.read(model, flag="--actor.model.path")
+    role = RoleConfig(
+        model=ModelConfig(path=str(model), lora_rank=8),
+        deepspeed=DeepSpeedConfig(bf16=True, offload_optimizer=True),
+    )
+    t = lora_params(shape, rank=8, targets=role.model.lora_target_modules)
+    assert 0 < t < 128256 * 4096  # fewer than the embedding's elements
+
+    def pinned(n: int) -> int:
+        return 2 ** math.ceil(math.log2(n))
+
+    memory = learner_memory(role, shape, tokens=256, trains=True, outputs=1)
+    assert memory.host == pinned(4 * t) + 2 * pinned(2 * t) + pinned(4 * t) + 2 * t + 16 * t
+
+
 def test_zero3_offload_pins_gradients_flat_and_per_sub_group_and_parameters_per_tensor(
     tmp_path,
 ):

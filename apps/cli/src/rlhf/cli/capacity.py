@@ -224,6 +224,13 @@ class LearnerLoad:
         tensor lists)."""
         return max(self.rank_tensors(), default=self.vocab_matrix)
 
+    @property
+    def largest_trained(self) -> int:
+        """Elements of the rank's largest trained tensor (at most all of LoRA's adapters)."""
+        if self.trainable is None:
+            return self.largest_tensor
+        return min(self.largest_tensor, self.rank_trainable)
+
     def pinned_per_tensor(
         self, element_bytes: int, *, sharded: bool = True, trained: bool = False
     ) -> float:
@@ -277,7 +284,7 @@ def deepspeed_memory(
     elif offload_optimizer:  # one reduce bucket; ZeRO-1/2 stage the largest gradient too
         gradients = min(w * t, w * reduce_bucket_elements)
         if zero_stage in (1, 2):
-            gradients += w * load.largest_tensor
+            gradients += w * load.largest_trained
     else:
         gradients = w * t / (dp if zero_stage >= 2 else 1)
     host = 0.0
@@ -320,7 +327,7 @@ def _deepspeed_offloaded_optimizer(load: LearnerLoad, *, zero_stage: int) -> flo
     (`DEEPSPEED_SUB_GROUP` elements), the float32 masters and the moments, pageable."""
     t, w = load.rank_trainable / load.dp, load.compute_bytes
     if zero_stage in (1, 2):
-        buffers = pinned(4 * t) + pinned(w * t) + pinned(4 * t) + pinned(w * load.largest_tensor)
+        buffers = pinned(4 * t) + pinned(w * t) + pinned(4 * t) + pinned(w * load.largest_trained)
         accumulation = load.pinned_per_tensor(w, sharded=False, trained=True)
         return buffers + accumulation + 8 * t + ADAMW_HOST_STEP_BYTES_PER_PARAM * t
     full, rest = divmod(int(t), DEEPSPEED_SUB_GROUP)
@@ -350,11 +357,11 @@ def molt_memory(
     on_device = offload != "full"
     host = 0.0
     if offload == "optimizer":  # pageable masters and moments; one gradient at a time
-        host = shards + adam + (4 * load.largest_tensor / dp if load.trains else 0.0)
+        host = shards + adam + (4 * load.largest_trained / dp if load.trains else 0.0)
     elif offload == "full":  # FSDP2 pins each shard and each gradient on its own
         host = load.pinned_per_tensor(4) + adam
         if load.trains:
-            largest = load.largest_tensor / dp
+            largest = load.largest_trained / dp
             host += (
                 load.pinned_per_tensor(4, trained=True) + ADAMW_HOST_STEP_BYTES_PER_PARAM * largest
             )

@@ -2,6 +2,8 @@
 
 One SFT warm start is shared; each algorithm then runs the demo's RL stage (same steps,
 prompts, seed) and is reported as held-out pass@1 after SFT and after RL, with wall time.
+The last row runs GRPO's RL stage with its learners on molt (FSDP2) from the same warm start,
+beside the DeepSpeed rows.
 ``python -m rlhf.cli.learning_table --readme README.md`` rewrites the table between the
 ``<!-- learning-table -->`` markers.
 """
@@ -26,26 +28,42 @@ NAMES = {
 }
 
 
-def run_table(config: DemoConfig, algos: tuple[str, ...] = ALGOS) -> str:
-    rows = []
-    first = run_demo(
-        dataclasses.replace(config, algo=algos[0], run_dir=f"{config.run_dir}/{algos[0]}")
-    )
-    rows.append((algos[0], first))
-    sft = str(pathlib.Path(config.run_dir) / algos[0] / "sft" / "final")
-    for algo in algos[1:]:
-        config_for = dataclasses.replace(
-            config, algo=algo, run_dir=f"{config.run_dir}/{algo}", sft_model=sft
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the table: the RL preset and the backend its learners train on."""
+
+    algo: str
+    backend: str = "deepspeed"
+
+    @property
+    def label(self) -> str:
+        name = NAMES.get(self.algo, self.algo)
+        return name if self.backend == "deepspeed" else f"{name} on {self.backend} (FSDP2)"
+
+
+ROWS = (*(Row(a) for a in ALGOS), Row("grpo", backend="molt"))
+"""Every preset on DeepSpeed, and GRPO's RL stage on molt from the same warm start."""
+
+
+def run_table(config: DemoConfig, rows: tuple[Row, ...] = ROWS) -> str:
+    """Each row's demo RL stage from one warm start (made by the first row's run)."""
+    done = []
+    sft = None
+    for row in rows:
+        run_dir = f"{config.run_dir}/{row.algo}-{row.backend}"
+        chosen = dataclasses.replace(
+            config, algo=row.algo, backend=row.backend, run_dir=run_dir, sft_model=sft
         )
-        rows.append((algo, run_demo(config_for)))
+        done.append((row, run_demo(chosen)))
+        sft = sft or str(pathlib.Path(run_dir) / "sft" / "final")
     steps = config.rl_steps
     lines = [
         f"| algorithm | pass@1 after SFT | pass@1 after {steps} RL steps | RL wall time |",
         "|---|---|---|---|",
     ]
-    for algo, r in rows:
+    for row, r in done:
         lines.append(
-            f"| {NAMES.get(algo, algo)} | {r['start_pass@1']:.3f} | {r['end_pass@1']:.3f} | "
+            f"| {row.label} | {r['start_pass@1']:.3f} | {r['end_pass@1']:.3f} | "
             f"{r['rl_wall_s']:.0f} s |"
         )
     return "\n".join(lines)

@@ -30,6 +30,7 @@ Without a GPU it prints the planner's estimates only.
 
 Usage: python benchmarks/bench_capacity.py [--json out.json] [--size 0.5B,1.5B]
        [--cases ds-z2-r2,…] [--engines] [--largest ds-z2,molt-optimizer,…]
+       [--layers N] [--store DIR]
 """
 
 from __future__ import annotations
@@ -390,11 +391,14 @@ def largest_layers(case: Case, store: pathlib.Path, *, gpu: int, host: int) -> d
     return {"largest": best, "next": None}
 
 
-def run_largest(names: list[str], store: pathlib.Path) -> dict[str, Any]:
+def run_largest(
+    names: list[str], store: pathlib.Path, *, layers: int | None = None
+) -> dict[str, Any]:
     """``--largest``: per offload level, the planner's largest `WIDE` model and, on a GPU, one
-    step of it. A step that fails (out of device memory, or killed by the host's OOM killer)
-    is tried again one layer smaller, at most `LARGEST_RETRIES` times: the first step that
-    completes is the level's measured largest, and each failed size is kept."""
+    step of it (of ``layers`` layers instead, when given: a size to check). A step that fails
+    (out of device memory, or killed by the host's OOM killer) is tried again one layer
+    smaller, at most `LARGEST_RETRIES` times: the first step that completes is the level's
+    measured largest, and each failed size is kept."""
     found_gpu, host = machine_bytes()
     gpu = found_gpu or NO_GPU_PLANS_FOR
     out: dict[str, Any] = {"gpu_gib": gpu / 2**30, "host_available_gib": host / 2**30}
@@ -416,12 +420,15 @@ def run_largest(names: list[str], store: pathlib.Path) -> dict[str, Any]:
         if found_gpu is None:  # no GPU here: the plans only
             print(f"largest {name} (planned for {gpu / 2**30:.0f} GiB):", json.dumps(result))
             continue
-        layers = found["largest"]["layers"] if found["largest"] else 0
+        size = layers or (found["largest"]["layers"] if found["largest"] else 0)
         failed = []
-        while layers >= 1 and len(failed) <= LARGEST_RETRIES:
-            measured = step(name, layers)
+        while size >= 1 and len(failed) <= LARGEST_RETRIES:
+            measured = step(name, size)
             if "error" not in measured:
-                planned = plan(LARGEST[name], store / f"plan-{layers}")
+                folder = store / f"plan-{size}"
+                folder.mkdir(exist_ok=True)
+                (folder / "config.json").write_text(json.dumps(wide_config(size)))
+                planned = plan(LARGEST[name], folder)
                 result["measured"] = measured
                 result["ratio_plan_over_measured"] = (
                     planned.allocated / 2**30 / measured["peak_gib"]
@@ -432,7 +439,7 @@ def run_largest(names: list[str], store: pathlib.Path) -> dict[str, Any]:
                     )
                 break
             failed.append(measured)
-            layers -= 1
+            size -= 1
         result["failed"] = failed
         print(f"largest {name}:", json.dumps(result), flush=True)
     return out
@@ -447,6 +454,9 @@ def main() -> None:
     parser.add_argument("--largest", default="", help=f"offload levels of {sorted(LARGEST)}")
     parser.add_argument(
         "--store", type=pathlib.Path, help="with --largest: a folder kept for the weights"
+    )
+    parser.add_argument(
+        "--layers", type=int, help="with --largest: step this many layers, not the plan's"
     )
     parser.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
@@ -467,10 +477,10 @@ def main() -> None:
             parser.error(f"--largest: unknown {unknown}; choose from {sorted(LARGEST)}")
         if args.store:  # kept for the next invocation (its weight files are reused)
             args.store.mkdir(parents=True, exist_ok=True)
-            results["largest"] = run_largest(names, args.store)
+            results["largest"] = run_largest(names, args.store, layers=args.layers)
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                results["largest"] = run_largest(names, pathlib.Path(tmp))
+                results["largest"] = run_largest(names, pathlib.Path(tmp), layers=args.layers)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
         return

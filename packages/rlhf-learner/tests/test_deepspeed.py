@@ -47,6 +47,14 @@ def group(ray_cluster):
     g.shutdown()
 
 
+GRAD_FLOOR = 1e-6
+"""AdamW's first step moves an element by ``lr * g / (|g| + eps)`` (eps 1e-8), whose slope
+``lr * eps / (|g| + eps)**2`` is 1e-5 at ``|g|`` = 1e-6 but 3e-2 at ``|g|`` = 7e-9 (seen on a
+key bias): there a gradient whose last bits differ between the split's reduction order and one
+process's moves the update by more than float32's tolerance. Elements below this floor are
+held to the first step's bound only."""
+
+
 def config(
     path,
     *,
@@ -119,8 +127,10 @@ def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage, option) ->
     cfg = config(tiny, stage=stage, lr=1e-3, packing=packing, chunked=option == "chunked_lm_head")
     # Reference: one process, one micro-batch, torch AdamW with the same groups and schedule.
     optimizer, scheduler = build_optimizer(model, cfg.optimizer)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     loss, _ = objective(model, dataclasses.replace(batch, packing_samples=packing))
     loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
     optimizer.step()
     scheduler.step()
@@ -133,7 +143,13 @@ def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage, option) ->
     assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
     after = full_state(group)
     for name, param in model.named_parameters():
-        torch.testing.assert_close(after[name], param.detach(), rtol=0, atol=2e-6, msg=name)
+        clear = grads[name].abs() >= GRAD_FLOOR
+        torch.testing.assert_close(
+            after[name][clear], param.detach()[clear], rtol=0, atol=2e-6, msg=name
+        )
+        # Adam's first step moves every element by at most lr (no weight decay here).
+        moved = (after[name][~clear] - before[name][~clear]).abs()
+        assert moved.numel() == 0 or moved.max() <= cfg.optimizer.lr * (1 + 1e-5), name
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -364,6 +364,15 @@ def machine_bytes() -> tuple[int | None, int]:
     return (None if gpu is None else int(gpu) * 2**20), host
 
 
+def plan_folder(store: pathlib.Path, layers: int) -> pathlib.Path:
+    """A folder holding only the config of the `WIDE` model of ``layers`` layers (what the
+    planner reads)."""
+    folder = store / f"plan-{layers}"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(wide_config(layers)))
+    return folder
+
+
 def largest_layers(case: Case, store: pathlib.Path, *, gpu: int, host: int) -> dict[str, Any]:
     """The most `WIDE` layers whose plan of ``case`` fits ``gpu`` and ``HOST_SHARE`` of
     ``host`` bytes, with the plan of that model and of one layer more."""
@@ -371,20 +380,17 @@ def largest_layers(case: Case, store: pathlib.Path, *, gpu: int, host: int) -> d
 
     best = None
     for layers in range(1, MAX_LAYERS + 1):
-        folder = store / f"plan-{layers}"
-        folder.mkdir(exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(wide_config(layers)))
+        folder = plan_folder(store, layers)
         memory = plan(case, folder)
         params = ModelShape.read(folder, flag="--model").params
-        on_host = memory.host
         entry = {
             "layers": layers,
             "params_b": params / 1e9,
             "plan_total_gib": memory.total / 2**30,
             "plan_allocated_gib": memory.allocated / 2**30,
-            "host_gib": on_host / 2**30,
+            "host_gib": memory.host / 2**30,
         }
-        if memory.total > gpu or on_host > HOST_SHARE * host:
+        if memory.total > gpu or memory.host > HOST_SHARE * host:
             bound = "gpu" if memory.total > gpu else "host"
             return {"largest": best, "next": entry | {"bound": bound}}
         best = entry
@@ -425,10 +431,7 @@ def run_largest(
         while size >= 1 and len(failed) <= LARGEST_RETRIES:
             measured = step(name, size)
             if "error" not in measured:
-                folder = store / f"plan-{size}"
-                folder.mkdir(exist_ok=True)
-                (folder / "config.json").write_text(json.dumps(wide_config(size)))
-                planned = plan(LARGEST[name], folder)
+                planned = plan(LARGEST[name], plan_folder(store, size))
                 result["measured"] = measured
                 result["ratio_plan_over_measured"] = (
                     planned.allocated / 2**30 / measured["peak_gib"]

@@ -26,7 +26,8 @@ With ``--transports object_store,cuda_ipc`` it runs the turn-taking configuratio
 With ``--variants 'seeded=;unseeded=--rollout.seed_requests False'`` it runs the hybrid
 configuration once per named set of extra flags (``;`` between variants, spaces between
 flags), alternating ``--rounds`` times, and prints each variant's median step, generation time
-and generated tokens/s as ratios against the first variant's.
+and generated tokens/s as ratios against the first variant's, and each one's sync / engine
+load.
 
 With ``--baseline-python PATH`` it measures a change instead: the resident run with this
 interpreter's rlhf against the same run with another environment's (e.g. the previous
@@ -134,7 +135,8 @@ def run(
     if any("hybrid/actor_alloc_retries" in r for r in steps):
         result["alloc_retries"] = [r.get("hybrid/actor_alloc_retries") for r in steps]
     parts = [f"sync/engine_{p}_s" for p in ("receive", "validate", "verify")]
-    for key in ("sync/actor_send_s", "sync/actor_release_s", *parts):  # the rest of the sync
+    actor = [f"sync/actor_{p}_s" for p in ("send", "pack", "release")]
+    for key in (*actor, "sync/engine_calls_s", *parts):  # the rest of the sync
         values = [r[key] for r in steps if key in r]
         if values:
             result[key.split("/")[1]] = statistics.median(values)
@@ -223,11 +225,15 @@ def variants(model: pathlib.Path, data: pathlib.Path, root: pathlib.Path, args) 
     med = {
         name: {
             k: statistics.median(x[k] for x in results)
-            for k in ("step_s", "generation_s", "tokens_per_s", "weight_sync_s")
+            for k in ("step_s", "generation_s", "tokens_per_s", "weight_sync_s", "engine_load_s")
         }
         for name, results in runs.items()
     }
     report["median"] = med
+    for name, m in med.items():  # each run's sync against its engine's own load
+        report[f"sync_ratio_{name}_over_engine_load"] = m["weight_sync_s"] / max(
+            m["engine_load_s"], 1e-9
+        )
     first = next(iter(named))
     for name in list(named)[1:]:
         for key in ("step_s", "generation_s", "tokens_per_s"):

@@ -199,7 +199,8 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
         synced = ObjectStoreSender().send(
             pack_buckets(trained.items(), version=3, bucket_bytes=1 << 20)
         )
-        actor = types.SimpleNamespace(run=lambda fn: [synced])  # rank 0's sender made `synced`
+        # rank 0's sender made `synced` (and `_send` returns it with its seconds)
+        actor = types.SimpleNamespace(run=lambda fn: [(synced, 0.0)])
         transport = SenderTransport("object_store", actor, roles.engines, True, 1 << 20)  # type: ignore[arg-type]
         lines: list[str] = []
         driver = types.SimpleNamespace(roles=roles, transport=transport, echo=lines.append)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from rlhf.cli.config import ConfigError
-from rlhf.cli.sync import choose_transport
+from rlhf.cli.sync import bucket_mib, choose_transport
 
 from .conftest import rlhf, small_run
 
@@ -31,6 +31,13 @@ def test_auto_follows_the_placement() -> None:
     assert choose("broadcast") == "broadcast"  # gloo on CPUs
 
 
+def test_bucket_size_follows_the_transport_unless_given() -> None:
+    # CUDA IPC keeps every bucket alive until the engines loaded: big buckets cost nothing.
+    assert bucket_mib(0, "cuda_ipc") > bucket_mib(0, "shared_memory") == 64
+    assert bucket_mib(0, "broadcast") == bucket_mib(0, "object_store") == 64
+    assert bucket_mib(3, "cuda_ipc") == bucket_mib(3, "shared_memory") == 3
+
+
 def test_impossible_requests_name_the_flag() -> None:
     with pytest.raises(ConfigError, match="cuda_ipc needs the engine on the actor's GPU"):
         choose("cuda_ipc", gpu=True, colocated=False)
@@ -47,16 +54,17 @@ def test_impossible_requests_name_the_flag() -> None:
     [("auto", "cheap"), ("object_store", "full"), ("broadcast", "True")],
 )
 def test_a_run_syncs_over_the_chosen_transport(assets, tmp_path, transport, verify) -> None:
+    bucket = [] if transport == "auto" else ["--train.weight_bucket_mib", "1"]
     out = rlhf(
         "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=2),
-        "--train.weight_transport", transport, "--train.weight_bucket_mib", "1",
-        "--vllm.verify_sync", verify,
+        "--train.weight_transport", transport, *bucket, "--vllm.verify_sync", verify,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     expected = "shared_memory" if transport == "auto" else transport
     mode = {"True": "full"}.get(verify, verify)
     assert f"[plan] weight sync: {expected} (" in out.stdout
-    assert f"1 MiB buckets, read-back {mode}" in out.stdout
+    mib = 1 if bucket else 64  # the default: by the transport
+    assert f" {mib} MiB buckets, read-back {mode}" in out.stdout
     report = json.loads((tmp_path / "sync.json").read_text())
     assert report["transport"] == expected
     # Two steps, a sync after each; every sync arrived over the chosen path and verified (a
@@ -69,12 +77,14 @@ def test_a_run_syncs_over_the_chosen_transport(assets, tmp_path, transport, veri
         parts = [r[f"sync/engine_{p}_s"] for p in ("receive", "validate", "load", "verify")]
         assert all(seconds > 0 for seconds in parts), r
         assert sum(parts) <= r["time/weight_sync_s"] <= r["time/sync_s"], r
-        # The actor's packing and sending: before the engines receive, except a broadcast,
-        # which the engines receive while it sends.
-        send = r["sync/actor_send_s"]
-        assert send > 0, r
-        before = send if expected != "broadcast" else 0.0
-        assert before + sum(parts) <= r["time/weight_sync_s"], r
+        # The actor's packing and sending (inside its call), then the engines' calls, which
+        # hold the engines' parts, except a broadcast's, which the engines receive while it
+        # sends.
+        send, pack, calls = (r[f"sync/{p}_s"] for p in ("actor_send", "actor_pack", "engine_calls"))
+        assert 0 < pack <= send and calls > 0, r
+        assert send + calls <= r["time/weight_sync_s"], r
+        if expected != "broadcast":
+            assert sum(parts) <= calls, r
     if transport == "auto":  # the start-up record of the run (rlhf.cli.startup)
         startup = json.loads((tmp_path / "startup.json").read_text())
         phases = startup["phases_s"]

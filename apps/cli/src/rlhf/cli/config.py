@@ -309,7 +309,11 @@ class TrainConfig:
             to engines on other GPUs, shared memory on one CPU machine, the object store
             across nodes), or ``object_store``, ``shared_memory``, ``cuda_ipc``, ``broadcast``
             (gloo on CPUs, NCCL on GPUs).
-        weight_bucket_mib: Bucket size of the weight stream, in MiB.
+        weight_bucket_mib: Bucket size of the weight stream, in MiB; 0 (default): by the
+            transport (`rlhf.cli.sync.BUCKET_MIB`: 512 for CUDA IPC, whose buckets all stay
+            alive until the engines loaded them, so the size sets only how many buckets,
+            handles and digest passes a sync has; 64 for the others, whose streaming sender
+            holds one bucket beside the model).
         seed: Seed of prompt order, sampling and initialisation.
     """
 
@@ -342,7 +346,7 @@ class TrainConfig:
     wandb_group: str = ""
     wandb_run_name: str = ""
     weight_transport: str = "auto"
-    weight_bucket_mib: int = 64
+    weight_bucket_mib: int = 0
     seed: int = 42
 
 

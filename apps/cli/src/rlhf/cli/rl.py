@@ -43,7 +43,14 @@ from rlhf.cli.sampling import Executors, evaluate, generate, staleness, to_sampl
 from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.stopping import Stopped, as_stopped
-from rlhf.cli.sync import Transport, choose_transport, engine_sync_parts, open_transport, report
+from rlhf.cli.sync import (
+    Transport,
+    bucket_mib,
+    choose_transport,
+    engine_sync_parts,
+    open_transport,
+    report,
+)
 from rlhf.learner import MicroBatching, make_experience, ppo_update
 from rlhf.rollout import EngineDiedError
 
@@ -111,6 +118,7 @@ def run_rl(
         nodes=cluster.nodes,
         nccl=cluster.nccl,
     )
+    bucket = bucket_mib(t.weight_bucket_mib, transport)
     total_optimizer_steps = t.num_steps * config.optimizer_steps_per_rollout
     roles = start_roles(
         config, gpu=cluster.gpu, total_optimizer_steps=total_optimizer_steps, stopwatch=watch
@@ -127,7 +135,7 @@ def run_rl(
         each = ", ".join(f"{name} {n}" for name, n in threads.items())
         echo(f"[plan] CPU threads per learner rank while it computes (the engines wait): {each}")
     echo(
-        f"[plan] weight sync: {transport} ({why}), {t.weight_bucket_mib} MiB buckets, "
+        f"[plan] weight sync: {transport} ({why}), {bucket} MiB buckets, "
         f"read-back {config.verify_mode}"
     )
     try:
@@ -139,7 +147,7 @@ def run_rl(
                 actor=roles.actor,
                 engines=roles.engines,
                 verify=config.verify_mode,
-                bucket_bytes=t.weight_bucket_mib << 20,
+                bucket_bytes=bucket << 20,
             ),
             sampler=sampler,
             executors=executors,
@@ -317,7 +325,7 @@ class RLDriver:
             for e in engines:
                 e.resume()
         out = {"time/weight_sync_s": time.perf_counter() - tick}
-        out.update({f"sync/actor_{k}_s": v for k, v in self.transport.parts.items()})
+        out.update({f"sync/{k}_s": v for k, v in self.transport.parts.items()})
         out.update(engine_sync_parts(self.roles.engines))
         self.enter("generation")
         if pause:

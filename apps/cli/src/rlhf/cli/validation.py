@@ -222,7 +222,10 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
             config.train.weight_transport not in WEIGHT_TRANSPORTS,
             f"--train.weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}",
         ),
-        (config.train.weight_bucket_mib < 1, "--train.weight_bucket_mib must be >= 1"),
+        (
+            config.train.weight_bucket_mib < 0,
+            "--train.weight_bucket_mib must be >= 1 (or 0: by the transport)",
+        ),
         (
             config.train.colocate_all and config.train.async_enable,
             "--train.colocate_all makes generation and training take turns on the same "

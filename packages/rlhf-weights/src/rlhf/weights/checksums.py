@@ -71,8 +71,14 @@ def _odd(size: int, device: torch.device) -> torch.Tensor:
 def _wsum64_prefixes(data: torch.Tensor, bounds: list[int]) -> list[tuple[int, int]]:
     """``(P1(k), P2(k))`` modulo 2**64 for each word index ``k`` of sorted ``bounds``:
     ``P1(k) = sum_{j<k} w_j``, ``P2(k) = sum_{j<k} (2 j + 1) w_j`` over the words of
-    `_words`. Chunk by chunk on ``data``'s device (sums where no bound falls inside a chunk,
-    cumulative sums where one does); one copy to the host at the end.
+    `_words`; one copy to the host."""
+    return [(a & _MASK, b & _MASK) for a, b in _wsum64_prefix_sums(data, bounds).tolist()]
+
+
+def _wsum64_prefix_sums(data: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """`_wsum64_prefixes` as a ``(len(bounds), 2)`` int64 tensor on ``data``'s device (not
+    yet reduced modulo 2**64 to unsigned). Chunk by chunk (sums where no bound falls inside
+    a chunk, cumulative sums where one does), without waiting for the device.
 
     A chunk starting at word ``s`` weighs its words with ``2 (s + i) + 1``, that is the kept
     ``2 i + 1`` plus ``2 s`` times its plain sum."""
@@ -104,7 +110,7 @@ def _wsum64_prefixes(data: torch.Tensor, bounds: list[int]) -> list[tuple[int, i
         start, i = stop, j
     if i < len(bounds):
         raise ValueError(f"word index {bounds[i]} is past the buffer's {start} words")
-    return [(a & _MASK, b & _MASK) for a, b in torch.cat(found).tolist()]
+    return torch.cat(found)
 
 
 def _wsum64_spans(data: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[str]:
@@ -149,6 +155,21 @@ def _wsum64(data: torch.Tensor) -> str:
     n = data.numel()
     s1, s2 = _wsum64_prefixes(data, [-(-n // 8)])[0]
     return f"{n:x}-{s1:016x}{s2:016x}"
+
+
+def wsum64_each(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """``wsum64`` of each 1-D uint8 tensor, with one copy to the host per device (on a GPU:
+    one synchronisation for all of them, instead of one per tensor)."""
+    sums = [_wsum64_prefix_sums(t, [-(-t.numel() // 8)]) for t in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    values: list[tuple[int, int]] = [(0, 0)] * len(tensors)
+    for indices in by_device.values():
+        rows = torch.cat([sums[i] for i in indices]).tolist()
+        for i, (a, b) in zip(indices, rows, strict=True):
+            values[i] = (a & _MASK, b & _MASK)
+    return [f"{t.numel():x}-{a:016x}{b:016x}" for t, (a, b) in zip(tensors, values, strict=True)]
 
 
 CHECKSUMS: dict[str, Callable[[torch.Tensor], str]] = {

@@ -152,9 +152,7 @@ def _wsum64(data: torch.Tensor) -> str:
     of 8 bytes, and the byte length: a reordering, flipped bit or truncation changes the
     digest. Integer sums are exact and order-free, so every device computes the same value.
     """
-    n = data.numel()
-    s1, s2 = _wsum64_prefixes(data, [-(-n // 8)])[0]
-    return f"{n:x}-{s1:016x}{s2:016x}"
+    return wsum64_each([data])[0]
 
 
 def wsum64_each(tensors: Sequence[torch.Tensor]) -> list[str]:

@@ -4,6 +4,8 @@ import asyncio
 import itertools
 import textwrap
 
+import pytest
+
 from rlhf.agents import (
     EnvironmentFactory,
     FunctionReward,
@@ -11,7 +13,10 @@ from rlhf.agents import (
     OpenAIAgentExecutor,
     SamplingParams,
     SingleTurnExecutor,
+    group_seed,
+    nth_sample,
     request_seed,
+    sample_group,
     seeded,
 )
 
@@ -32,6 +37,19 @@ def test_request_seed_is_splitmix64_and_separates_positions() -> None:
     assert seeded(plain, 5, 1, 2) == plain.replace(seed=request_seed(5, 1, 2))
 
 
+def test_group_seeds_leave_room_for_their_samples() -> None:
+    # A group's seed is request_seed halved: SplitMix64's first output shifted twice.
+    assert group_seed(0, 0) == 0xE220A8397B1DCDAF >> 2
+    grid = [group_seed(42, p) for p in range(256)]
+    assert len(set(grid)) == len(grid) and all(0 <= s < 2**62 for s in grid)
+    # Sample i of a group draws with the group's seed + i (vLLM's seeds for a request's n).
+    plain = SamplingParams(max_new_tokens=3)
+    assert nth_sample(plain, 3) is plain
+    group = plain.replace(seed=2**62 - 1)
+    assert [nth_sample(group, i).seed for i in range(3)] == [2**62 - 1, 2**62, 2**62 + 1]
+    assert all(nth_sample(group, i).seed < 2**63 for i in range(1000))
+
+
 class Recorder:
     """Wraps a real generator and records the seed of every request."""
 
@@ -43,30 +61,47 @@ class Recorder:
         return await self.inner.generate(prompt_token_ids, sampling)
 
 
+class GroupRecorder(Recorder):
+    """A `GroupRecorder` takes a prompt's samples as one request (as a vLLM engine does with
+    ``n``), recording (seed, n) per group request; sample i is the wrapped generator's with
+    seed + i."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.groups = []
+
+    async def generate_group(self, prompt_token_ids, sampling, n):
+        self.groups.append((sampling.seed, n))
+        return [
+            await self.inner.generate(prompt_token_ids, nth_sample(sampling, i)) for i in range(n)
+        ]
+
+
 def chat(tokenizer, text: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
 
 
-def test_single_turn_samples_depend_on_their_position_not_on_the_batch(
-    tmp_path, tokenizer, generator
-) -> None:
-    path = tmp_path / "reward.py"
-    path.write_text(
-        "def reward_func(queries, prompts, labels, responses):\n    return [0.0] * len(responses)\n"
-    )
-    rec = Recorder(generator)
-    ex = SingleTurnExecutor(
+def single_turn(tokenizer, generator) -> SingleTurnExecutor:
+    """Six new tokens at temperature 1, every sample rewarded 0."""
+    return SingleTurnExecutor(
         tokenizer=tokenizer,
-        generator=rec,
-        reward=FunctionReward.from_file(str(path)),
+        generator=generator,
+        reward=FunctionReward(lambda queries, prompts, labels, responses: [0.0] * len(responses)),
         sampling=SamplingParams(max_new_tokens=6, temperature=1.0),
         max_len=64,
     )
+
+
+def test_single_turn_samples_depend_on_their_position_not_on_the_batch(
+    tokenizer, generator
+) -> None:
+    rec = Recorder(generator)
+    ex = single_turn(tokenizer, rec)
     prompts = [chat(tokenizer, "What is 3 plus 4?"), chat(tokenizer, "Guess a number")]
     both = asyncio.run(ex.run(prompts=prompts, labels=[0, 0], n_samples_per_prompt=3, seed=7))
-    assert sorted(rec.seeds) == sorted(request_seed(7, p, s) for p in range(2) for s in range(3))
+    assert sorted(rec.seeds) == sorted(group_seed(7, p) + s for p in range(2) for s in range(3))
     rec.seeds.clear()
     alone = asyncio.run(
         ex.run(prompts=prompts[1:], labels=[0], n_samples_per_prompt=3, prompt_indices=[1], seed=7)
@@ -79,6 +114,41 @@ def test_single_turn_samples_depend_on_their_position_not_on_the_batch(
     rec.seeds.clear()
     asyncio.run(ex.run(prompts=prompts, labels=[0, 0], n_samples_per_prompt=1))
     assert rec.seeds == [None, None]
+
+
+def test_single_turn_sends_each_prompt_as_one_group_with_the_same_samples(
+    tokenizer, generator
+) -> None:
+    prompts = [chat(tokenizer, "What is 3 plus 4?"), chat(tokenizer, "Guess a number")]
+    runs = {}
+    for name, rec in (("requests", Recorder(generator)), ("groups", GroupRecorder(generator))):
+        result = asyncio.run(
+            single_turn(tokenizer, rec).run(
+                prompts=prompts,
+                labels=[0, 0],
+                n_samples_per_prompt=4,
+                prompt_indices=[3, 8],
+                seed=5,
+            )
+        )
+        runs[name] = [(t.prompt_index, t.sample_index, t.token_ids) for t in result.trajectories]
+    # One group request per prompt, seeded by the prompt's position; no single requests.
+    assert sorted(rec.groups) == sorted([(group_seed(5, 3), 4), (group_seed(5, 8), 4)])
+    assert rec.seeds == []
+    assert runs["groups"] == runs["requests"]
+    assert len({tokens for _, _, tokens in runs["groups"]}) > 2
+
+
+def test_sample_group_checks_n_and_what_a_group_generator_returns(generator) -> None:
+    class Short(GroupRecorder):
+        async def generate_group(self, prompt_token_ids, sampling, n):
+            return (await super().generate_group(prompt_token_ids, sampling, n))[:-1]
+
+    sampling = SamplingParams(max_new_tokens=2, seed=1)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        asyncio.run(sample_group(Recorder(generator), [3, 4], sampling, n=0))
+    with pytest.raises(RuntimeError, match="returned 2 samples for n=3"):
+        asyncio.run(sample_group(Short(generator), [3, 4], sampling, n=3))
 
 
 def test_multi_turn_seeds_each_turn_and_keeps_an_environment_seed(tmp_path, tokenizer, generator):

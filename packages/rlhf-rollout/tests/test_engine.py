@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from rlhf.agents import Generator, SamplingParams, SingleTurnExecutor
+from rlhf.agents import Generator, GroupGenerator, SamplingParams, SingleTurnExecutor, nth_sample
 from rlhf.agents.rewards import FunctionReward
 from rlhf.rollout import EngineConfig, EngineError, VLLMEngine
 
@@ -20,7 +20,58 @@ def generate_many(engine, prompts, sampling):
 
 
 def test_engine_is_a_generator(engine) -> None:
-    assert isinstance(engine, Generator)
+    assert isinstance(engine, Generator) and isinstance(engine, GroupGenerator)
+
+
+def test_a_group_request_samples_what_its_seeded_single_requests_sample(engine) -> None:
+    """One request with n (vLLM seeds its sample i with seed + i) against n single requests
+    seeded seed + i: the same tokens and log-probs; while paused the group is one request of
+    ours (vLLM runs its n samples as children) and cancelling it aborts all of them."""
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2**62 - 2)
+    before = engine.metrics()
+
+    async def paused_then_cancelled():
+        engine.pause()
+        try:
+            task = asyncio.create_task(engine.generate_group(PROMPT, sampling, 5))
+            while engine.metrics()["engine/in_flight"] == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            counts = (
+                engine.metrics()["engine/in_flight"],
+                engine.call(lambda eng: eng.get_num_unfinished_requests()),
+            )
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.1)
+        finally:
+            engine.resume()
+        return counts
+
+    assert asyncio.run(paused_then_cancelled()) == (1, 5)
+    assert engine.metrics()["engine/requests_aborted"] == before["engine/requests_aborted"] + 1
+    assert engine.call(lambda eng: eng.get_num_unfinished_requests()) == 0
+
+    async def both():
+        group = engine.generate_group(PROMPT, sampling, 5)
+        singles = [engine.generate(PROMPT, nth_sample(sampling, i)) for i in range(5)]
+        return await asyncio.gather(group, *singles)
+
+    group, *singles = asyncio.run(both())
+    assert [g.token_ids for g in group] == [g.token_ids for g in singles]
+    for a, b in zip(group, singles, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert a.weight_version == engine.weight_version
+    assert len({g.token_ids for g in group}) > 1  # five samples, not one five times
+    # Greedy (vLLM refuses n > 1 there): the one greedy completion, n times.
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    alone = asyncio.run(engine.generate(PROMPT, greedy))
+    assert [g.token_ids for g in asyncio.run(engine.generate_group(PROMPT, greedy, 3))] == [
+        alone.token_ids
+    ] * 3
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        asyncio.run(engine.generate_group(PROMPT, sampling, 0))
 
 
 def test_n_samples_token_ids_and_logprobs(engine) -> None:

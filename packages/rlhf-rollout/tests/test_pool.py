@@ -13,7 +13,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlhf.agents import Generator, SamplingParams, SingleTurnExecutor
+from rlhf.agents import Generator, GroupGenerator, SamplingParams, SingleTurnExecutor, nth_sample
 from rlhf.agents.rewards import FunctionReward
 from rlhf.rollout import EngineConfig, EnginePool, RayEngine, spawn_engines
 from rlhf.weights import (
@@ -217,6 +217,37 @@ def test_cancelling_through_the_pool_aborts_the_remote_request(ray_engines) -> N
         engine.resume()
     assert engine.metrics()["engine/requests_aborted"] == before + 1
     assert pool.metrics()["pool/engine0/in_flight"] == 0
+
+
+def test_a_prompt_group_through_the_pool_is_one_request_in_the_engine_actor(ray_engines) -> None:
+    engine = ray_engines[0]
+    pool = EnginePool([engine], record=True)
+    assert isinstance(engine, GroupGenerator) and isinstance(pool, GroupGenerator)
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=77)
+    assert engine.pause() == 0
+    try:
+
+        async def queued():
+            task = asyncio.create_task(pool.generate_group(PROMPT, sampling, n=6))
+            await asyncio.sleep(0.5)
+            in_flight = engine.metrics()["engine/in_flight"]
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.5)
+            return in_flight
+
+        assert asyncio.run(queued()) == 1  # six samples, one request of the engine
+    finally:
+        engine.resume()
+    assert engine.metrics()["engine/in_flight"] == 0
+    calls = engine.batcher.calls
+    group = asyncio.run(pool.generate_group(PROMPT, sampling, n=6))
+    assert engine.batcher.calls == calls + 1
+    singles = [asyncio.run(engine.generate(PROMPT, nth_sample(sampling, i))) for i in range(6)]
+    assert [g.token_ids for g in group] == [g.token_ids for g in singles]
+    assert len({g.token_ids for g in group}) > 1
+    assert pool.metrics()["pool/engine0/requests"] == 6
 
 
 def test_requests_of_one_turn_share_one_actor_call(ray_engines) -> None:

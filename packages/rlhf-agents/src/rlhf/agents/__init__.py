@@ -14,6 +14,7 @@ from rlhf.agents.environments import (
     EnvironmentStepError,
     StepResult,
 )
+from rlhf.agents.groups import sample_group
 from rlhf.agents.loading import load_module, load_symbol
 from rlhf.agents.multi_turn import MultiTurnExecutor
 from rlhf.agents.openai_server import OpenAICompatibleServer, Session, SessionError
@@ -26,10 +27,17 @@ from rlhf.agents.rewards import (
     RewardScorer,
     parse_reward_output,
 )
-from rlhf.agents.seeds import request_seed, seeded
+from rlhf.agents.seeds import group_seed, nth_sample, request_seed, seeded
 from rlhf.agents.single_turn import ExecutorResult, SingleTurnExecutor
 from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
-from rlhf.agents.types import FinishReason, Generation, Generator, SamplingParams, Trajectory
+from rlhf.agents.types import (
+    FinishReason,
+    Generation,
+    Generator,
+    GroupGenerator,
+    SamplingParams,
+    Trajectory,
+)
 
 __all__ = [
     "AgentError",
@@ -43,6 +51,7 @@ __all__ = [
     "FunctionReward",
     "Generation",
     "Generator",
+    "GroupGenerator",
     "MultiTurnExecutor",
     "OpenAIAgentExecutor",
     "OpenAICompatibleServer",
@@ -59,10 +68,13 @@ __all__ = [
     "Tokenizer",
     "Trajectory",
     "encode_prompt",
+    "group_seed",
     "load_module",
     "load_symbol",
+    "nth_sample",
     "parse_reward_output",
     "request_seed",
+    "sample_group",
     "seeded",
     "shard_bounds",
 ]

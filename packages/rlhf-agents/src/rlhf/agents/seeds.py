@@ -1,7 +1,10 @@
 """Per-request sampling seeds derived from one base seed.
 
 A run seeds every request it sends: ``request_seed(base, prompt, sample, turn)``, with ``base``
-itself derived from the run's seed and the step. A request's sample then depends only on the
+itself derived from the run's seed and the step. The ``n`` samples of one prompt may instead
+share one seed, ``group_seed(base, prompt)``, sample ``i`` drawing with that seed ``+ i``
+(`nth_sample`): vLLM seeds the samples of one request with ``n`` that way, so a group sampled
+as one engine request and as ``n`` requests is the same. A request's sample then depends only on the
 run seed, where the request sits in the run and the weights and logits it is sampled from, not
 on which other requests share its engine step or in what order they arrive; so a resumed run
 draws the same samples as the run it continues, and two runs with one seed draw the same.
@@ -44,3 +47,19 @@ def seeded(sampling: SamplingParams, base: int | None, *parts: int) -> SamplingP
     if base is None:
         return sampling
     return sampling.replace(seed=request_seed(base, *parts))
+
+
+def group_seed(base: int, *parts: int) -> int:
+    """The seed of a group of samples at position ``parts`` under ``base``: `request_seed`
+    halved into ``[0, 2**62)``, so that sample ``i`` of the group (`nth_sample`: seed ``+ i``)
+    stays a valid 63-bit seed."""
+    return request_seed(base, *parts) >> 1
+
+
+def nth_sample(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The sampling of sample ``index`` of a group whose sampling is ``sampling``: seed
+    ``sampling.seed + index`` (vLLM's seeds for the samples of one request with ``n``);
+    unchanged when ``sampling`` has no seed."""
+    if sampling.seed is None:
+        return sampling
+    return sampling.replace(seed=sampling.seed + index)

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.agents._aio import gather_or_cancel
+from rlhf.agents.groups import sample_group
 from rlhf.agents.rewards import RewardScorer
-from rlhf.agents.seeds import seeded
+from rlhf.agents.seeds import group_seed
 from rlhf.agents.tokens import Tokenizer, encode_prompt
 from rlhf.agents.types import Generation, Generator, SamplingParams, Trajectory
 
@@ -88,8 +89,10 @@ class SingleTurnExecutor:
     ) -> ExecutorResult:
         """Run the batch; see `ExecutorResult`.
 
-        ``seed``: when set, sample ``s`` of the prompt at index ``i`` (``prompt_indices``) is
-        drawn with seed ``request_seed(seed, i, s)``, whatever else the engine runs beside it.
+        A prompt's samples go to the generator as one group (`rlhf.agents.sample_group`: one
+        engine request with ``n`` where the generator takes one). ``seed``: when set, sample
+        ``s`` of the prompt at index ``i`` (``prompt_indices``) is drawn with seed
+        ``group_seed(seed, i) + s``, whatever else the engine runs beside it.
         """
         indices = batch_indices(
             prompts,
@@ -100,10 +103,16 @@ class SingleTurnExecutor:
         budget = self.max_len - self.sampling.max_new_tokens
         encoded = [encode_prompt(self.tokenizer, p, max_prompt_len=budget) for p in prompts]
         jobs = [(p, s) for p in range(len(prompts)) for s in range(n_samples_per_prompt)]
-        generations: list[Generation] = await gather_or_cancel(
-            self.generator.generate(encoded[p][0], seeded(self.sampling, seed, indices[p], s))
-            for p, s in jobs
+        groups = await gather_or_cancel(
+            sample_group(
+                self.generator,
+                encoded[p][0],
+                self._sampling(seed, indices[p]),
+                n=n_samples_per_prompt,
+            )
+            for p in range(len(prompts))
         )
+        generations: list[Generation] = [g for group in groups for g in group]
         responses = [
             self.tokenizer.decode(list(g.token_ids), skip_special_tokens=True) for g in generations
         ]
@@ -151,3 +160,10 @@ class SingleTurnExecutor:
             **scored.metrics,
         }
         return ExecutorResult(trajectories=trajectories, metrics=metrics)
+
+    def _sampling(self, seed: int | None, prompt_index: int) -> SamplingParams:
+        """The sampling of a prompt's group: seeded with ``group_seed(seed, prompt_index)``
+        (sample ``s`` then draws with it ``+ s``), or as configured when ``seed`` is None."""
+        if seed is None:
+            return self.sampling
+        return self.sampling.replace(seed=group_seed(seed, prompt_index))

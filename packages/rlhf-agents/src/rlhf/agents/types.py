@@ -97,6 +97,17 @@ class Generator(Protocol):
     ) -> Generation: ...
 
 
+@runtime_checkable
+class GroupGenerator(Generator, Protocol):
+    """A `Generator` that also samples ``n`` completions of one prompt in one request (vLLM's
+    ``n``): sample ``i`` is the one ``generate`` draws with `rlhf.agents.nth_sample` of
+    ``sampling`` (seed ``+ i``), so only the cost differs (`rlhf.agents.sample_group`)."""
+
+    async def generate_group(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int
+    ) -> list[Generation]: ...
+
+
 @dataclass(frozen=True)
 class Trajectory:
     """One sampled episode, in token space, ready for the learner.

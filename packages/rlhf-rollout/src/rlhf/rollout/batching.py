@@ -8,7 +8,8 @@ every ``generate`` made during one turn of the caller's event loop and sends the
 ``generate_stream`` call; the actor (`stream_generations`) runs each request as its own
 engine request and streams results back as they finish, so a short request is not held back
 by a long one of the same call. Cancelling a caller's request aborts it in the engine
-(``abort_requests``), as cancelling a single call did.
+(``abort_requests``), as cancelling a single call did. A request is one sample
+(``generate``) or a prompt's ``n`` samples as one engine request (``generate_group``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ from typing import Any
 
 from rlhf.agents import Generation, SamplingParams
 
-Outcome = tuple[int, Generation | None, BaseException | None]
-"""(request index in its call, its generation or None, its error or None)."""
+Request = tuple[list[int], SamplingParams, int | None]
+"""(prompt token ids, sampling, ``n`` of a group request or None for one sample)."""
+
+Outcome = tuple[int, Generation | list[Generation] | None, BaseException | None]
+"""(request index in its call, its generation (a group's list of them) or None, its error or
+None)."""
 
 
 @dataclass
@@ -30,8 +35,8 @@ class _Call:
     """The requests of one event-loop turn."""
 
     id: str
-    requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
-    futures: list[asyncio.Future[Generation]] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    futures: list[asyncio.Future[Any]] = field(default_factory=list)
     sent: bool = False
 
 
@@ -51,6 +56,16 @@ class RequestBatcher:
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Generation:
+        return await self._request(prompt_token_ids, sampling, None)
+
+    async def generate_group(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int
+    ) -> list[Generation]:
+        return await self._request(prompt_token_ids, sampling, n)
+
+    async def _request(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int | None
+    ) -> Any:
         loop = asyncio.get_running_loop()
         call = self._open.get(loop)
         if call is None:
@@ -58,8 +73,8 @@ class RequestBatcher:
             call = self._open[loop] = _Call(uuid.uuid4().hex)
             loop.call_soon(self._send, loop)
         index = len(call.requests)
-        future: asyncio.Future[Generation] = loop.create_future()
-        call.requests.append((list(prompt_token_ids), sampling))
+        future: asyncio.Future[Any] = loop.create_future()
+        call.requests.append((list(prompt_token_ids), sampling, n))
         call.futures.append(future)
         try:
             return await future
@@ -92,7 +107,7 @@ class RequestBatcher:
                     if error is not None:
                         future.set_exception(error)
                     else:
-                        future.set_result(generation)  # type: ignore[arg-type]
+                        future.set_result(generation)
         except asyncio.CancelledError:  # the caller's loop is closing
             for future in call.futures:
                 future.cancel()
@@ -113,20 +128,20 @@ class StreamedRequests:
     can abort some of them."""
 
     def __init__(self) -> None:
-        self._tasks: dict[str, dict[int, asyncio.Task[Generation]]] = {}
+        self._tasks: dict[str, dict[int, asyncio.Task[Any]]] = {}
 
     async def stream(
         self,
         call_id: str,
-        requests: Sequence[tuple[int, list[int], SamplingParams]],
-        generate: Callable[[list[int], SamplingParams], Awaitable[Generation]],
+        requests: Sequence[tuple[int, list[int], SamplingParams, int | None]],
+        generate: Callable[[list[int], SamplingParams, int | None], Awaitable[Any]],
     ) -> AsyncIterator[list[Outcome]]:
-        """Run every request as its own engine request; yield the outcomes finished since
-        the last yield, until all are."""
-        tasks = {i: asyncio.ensure_future(generate(p, s)) for i, p, s in requests}
+        """Run every request as its own engine request (``generate(prompt, sampling, n)``);
+        yield the outcomes finished since the last yield, until all are."""
+        tasks = {i: asyncio.ensure_future(generate(p, s, n)) for i, p, s, n in requests}
         index_of = {t: i for i, t in tasks.items()}
         self._tasks[call_id] = tasks
-        pending: set[asyncio.Task[Generation]] = set(tasks.values())
+        pending: set[asyncio.Task[Any]] = set(tasks.values())
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -143,7 +158,7 @@ class StreamedRequests:
                 task.cancel()
 
 
-def _outcome(index: int, task: asyncio.Task[Generation]) -> Outcome:
+def _outcome(index: int, task: asyncio.Task[Any]) -> Outcome:
     if task.cancelled():
         return index, None, RuntimeError(f"request {index} was aborted in the engine actor")
     error = task.exception()

@@ -59,14 +59,15 @@ def _vllm_sampling_types() -> tuple[Any, Any, dict[str, Any]]:
 
 
 @functools.lru_cache(maxsize=256)
-def _vllm_sampling(sampling: SamplingParams) -> Any:
-    """vLLM's sampling parameters for ``sampling``, made once per distinct ``sampling`` and
-    shared by its requests: vLLM copies them per request, shallowly where it can
-    (``skip_clone``; its per-request changes are to scalar fields of the copy). On a 2-core
-    CPU, 128 requests of the demo: 100 → 44 µs of ``add_request`` each."""
+def _vllm_sampling(sampling: SamplingParams, n: int = 1) -> Any:
+    """vLLM's sampling parameters for ``sampling`` (``n`` samples of one request: the
+    ``i``-th seeded with ``seed + i``), made once per distinct ``(sampling, n)`` and shared
+    by its requests: vLLM copies them per request, shallowly where it can (``skip_clone``;
+    its per-request changes are to scalar fields of the copy). On a 2-core CPU, 128 requests
+    of the demo: 100 → 44 µs of ``add_request`` each."""
     VllmSamplingParams, RequestOutputKind, clone = _vllm_sampling_types()
     return VllmSamplingParams(
-        n=1,
+        n=n,
         max_tokens=sampling.max_new_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
@@ -84,9 +85,14 @@ def _vllm_sampling(sampling: SamplingParams) -> Any:
     )
 
 
+_GREEDY_BELOW = 1e-5
+"""vLLM samples greedily below this temperature (and refuses ``n`` > 1 there)."""
+
+
 @dataclass
 class _Request:
-    future: Future[Generation]
+    future: Future[Any]  # its Generation, or a group's list of them
+    group: int = 0  # n of a group request, 0 for one sample
     weight_version: int = -1  # set at the first engine step after it arrived
 
 
@@ -284,9 +290,9 @@ class VLLMEngine:
 
                 if self._sleeping:
                     raise EngineError("the engine is asleep; call wake_up() before generate()")
-                request_id, ids = payload
+                request_id, ids, group = payload
                 self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), extra)
-                request = _Request(future)
+                request = _Request(future, group)
                 self._pending[request_id] = request
                 self._unstepped.append(request)
             else:  # a call on the engine, run on this thread
@@ -314,12 +320,17 @@ class VLLMEngine:
             if request is None or request.future.done():
                 continue
             try:
-                request.future.set_result(self._to_generation(out, request.weight_version))
+                generations = [self._to_generation(c, request.weight_version) for c in out.outputs]
+                if not request.group:
+                    request.future.set_result(generations[0])
+                elif len(generations) == 1:  # greedy: one sample stands for the group's n
+                    request.future.set_result(generations * request.group)
+                else:
+                    request.future.set_result(generations)
             except Exception as exc:  # a malformed output fails its request, not the thread
                 request.future.set_exception(EngineError(f"request {out.request_id}: {exc!r}"))
 
-    def _to_generation(self, out: Any, weight_version: int) -> Generation:
-        completion = out.outputs[0]
+    def _to_generation(self, completion: Any, weight_version: int) -> Generation:
         ids = tuple(completion.token_ids)
         flat = completion.logprobs
         # With logprobs=0 each position holds exactly the sampled token's entry.
@@ -350,6 +361,24 @@ class VLLMEngine:
 
         Cancelling the awaiting task aborts the request inside vLLM.
         """
+        return await self._submit(prompt_token_ids, sampling, n=None)
+
+    async def generate_group(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int
+    ) -> list[Generation]:
+        """``n`` completions of ``prompt_token_ids`` as one vLLM request with ``n`` (the
+        prompt's prefill done once; sample ``i`` seeded with ``sampling.seed + i``, as
+        `generate` with `rlhf.agents.nth_sample` would be: see `rlhf.agents.GroupGenerator`).
+        Answers once all ``n`` finished; cancelling aborts all of them. Greedy (temperature
+        below 1e-5; vLLM refuses ``n`` > 1 there): one sample, returned ``n`` times."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        return await self._submit(prompt_token_ids, sampling, n=n)
+
+    async def _submit(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, *, n: int | None
+    ) -> Any:
+        """One vLLM request: a `Generation` (``n`` None) or a list of ``n``."""
         if self._thread is None:
             raise EngineError("call start() before generate()")
         if self._dead is not None:
@@ -368,8 +397,11 @@ class VLLMEngine:
                 f"vllm.max_model_len={self.config.max_model_len}"
             )
         request_id = f"r{next(self._ids)}"
-        future: Future[Generation] = Future()
-        self._inbox.put(("generate", (request_id, ids), _vllm_sampling(sampling), future))
+        future: Future[Any] = Future()
+        group = n or 0
+        samples = 1 if sampling.temperature < _GREEDY_BELOW else max(group, 1)
+        payload = (request_id, ids, group)
+        self._inbox.put(("generate", payload, _vllm_sampling(sampling, samples), future))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

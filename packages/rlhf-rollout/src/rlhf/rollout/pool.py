@@ -5,7 +5,8 @@ max_new_tokens`` (an upper bound on the tokens it still has to process). A new r
 the engine with the least, among those below ``max_in_flight_per_engine``; when every engine is
 full, callers wait (back-pressure) instead of piling requests into vLLM's queue.
 
-Samples of one prompt stay together: `generate_group` places all n on one engine, and a
+Samples of one prompt stay together: `generate_group` places all n on one engine (as one
+request with ``n`` where the engine is a `rlhf.agents.GroupGenerator`), and a
 `generate` call whose prompt is already waiting or in flight goes where that prompt went (an
 executor's n calls for one prompt arrive together), so a group shares one prefix cache and
 finishes on one engine, even under back-pressure. Cancelling a call cancels the request on its
@@ -25,10 +26,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
-from rlhf.agents import Generation, Generator, SamplingParams
+from rlhf.agents import Generation, Generator, GroupGenerator, SamplingParams, nth_sample
 from rlhf.rollout.ray_engine import EngineDiedError
 
 
@@ -192,19 +193,27 @@ class EnginePool:
     async def generate_group(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int
     ) -> list[Generation]:
-        """``n`` samples of one prompt, all on one engine, admitted together.
-
-        Per-request seeds, when ``sampling.seed`` is set, are ``seed + i`` for sample ``i``.
+        """``n`` samples of one prompt, all on one engine, admitted together: one
+        ``generate_group`` request where the engine is a `rlhf.agents.GroupGenerator`, else
+        ``n`` requests. Sample ``i`` is drawn with ``nth_sample(sampling, i)`` (seed ``+ i``
+        when ``sampling.seed`` is set) either way.
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        return await self._dispatch(prompt_token_ids, [_seeded(sampling, i) for i in range(n)])
+        samplings = [nth_sample(sampling, i) for i in range(n)]
+        return await self._dispatch(prompt_token_ids, samplings, group=True)
 
     async def _dispatch(
-        self, prompt_token_ids: Sequence[int], samplings: list[SamplingParams]
+        self,
+        prompt_token_ids: Sequence[int],
+        samplings: list[SamplingParams],
+        *,
+        group: bool = False,
     ) -> list[Generation]:
         """The requests of one prompt on one engine, admitted together; those that fail with
-        `EngineDiedError` are re-issued (together) after their engine was revived."""
+        `EngineDiedError` are re-issued (together) after their engine was revived. ``group``:
+        ``samplings[i]`` is ``nth_sample`` ``i`` of the first, so a run of them may travel as
+        one group request."""
         key = tuple(int(t) for t in prompt_token_ids)
         out: list[Generation | None] = [None] * len(samplings)
         todo = list(range(len(samplings)))
@@ -213,7 +222,10 @@ class EnginePool:
             slot = await self._acquire(key, len(todo), work)
             generator = slot.generator
             try:
-                results = await _outcomes(generator, key, [samplings[i] for i in todo])
+                contiguous = todo == list(range(todo[0], todo[0] + len(todo)))
+                results = await _outcomes(
+                    generator, key, [samplings[i] for i in todo], group=group and contiguous
+                )
             finally:
                 await asyncio.shield(self._release(slot, key, len(todo), work))
             failed: list[int] = []
@@ -301,9 +313,17 @@ class EnginePool:
 
 
 async def _outcomes(
-    generator: Generator, key: tuple[int, ...], samplings: list[SamplingParams]
+    generator: Generator, key: tuple[int, ...], samplings: list[SamplingParams], *, group: bool
 ) -> list[Generation | BaseException]:
-    """Each request's generation or error (one request is awaited directly: no task)."""
+    """Each request's generation or error (one request is awaited directly: no task).
+    ``group`` (``samplings[i]`` is ``nth_sample`` ``i`` of the first): one ``generate_group``
+    request where the generator takes one; it fails or succeeds as a whole."""
+    if group and len(samplings) > 1 and isinstance(generator, GroupGenerator):
+        try:
+            generations = await generator.generate_group(key, samplings[0], len(samplings))
+        except EngineDiedError as exc:
+            return [exc] * len(samplings)
+        return list(generations)
     if len(samplings) == 1:
         try:
             return [await generator.generate(key, samplings[0])]
@@ -314,9 +334,3 @@ async def _outcomes(
             *(generator.generate(key, s) for s in samplings), return_exceptions=True
         )
     )
-
-
-def _seeded(sampling: SamplingParams, i: int) -> SamplingParams:
-    if sampling.seed is None:
-        return sampling
-    return replace(sampling, seed=sampling.seed + i)

@@ -3,12 +3,13 @@
 One engine per actor process (vLLM keeps process-global parallel state). The actor is async:
 generate calls from many callers overlap inside it, and blocking engine calls run in threads so
 requests keep flowing meanwhile. `RayEngine` has `VLLMEngine`'s methods with the same
-arguments (``generate``, ``pause``, ``resume``, ``sleep``, ``wake_up``, ``update_weights``,
-``weight_checksums``, ``metrics``, ``shutdown``), blocking until the actor answered, plus what
-only a remote engine needs: `RayEngine.run` executes a coroutine function next to the engine
-(an rlhf.agents executor, so an episode's token stream never leaves the engine's process), and
-weights arrive through an `rlhf.weights` transport (`RayEngine.update_weights_from`, or a
-broadcast group: `RayEngine.join_weight_group` then `RayEngine.update_weights_from_group`).
+arguments (``generate``, ``generate_group``, ``pause``, ``resume``, ``sleep``, ``wake_up``,
+``update_weights``, ``weight_checksums``, ``metrics``, ``shutdown``), blocking until the actor
+answered, plus what only a remote engine needs: `RayEngine.run` executes a coroutine function
+next to the engine (an rlhf.agents executor, so an episode's token stream never leaves the
+engine's process), and weights arrive through an `rlhf.weights` transport
+(`RayEngine.update_weights_from`, or a broadcast group: `RayEngine.join_weight_group` then
+`RayEngine.update_weights_from_group`).
 
 Ray is imported when an actor is spawned; install ``rlhf-rollout[cpu]`` or ``[gpu]``.
 """
@@ -78,12 +79,17 @@ class EngineActor:
         return version
 
     async def generate_stream(
-        self, call_id: str, requests: Sequence[tuple[int, list[int], SamplingParams]]
+        self, call_id: str, requests: Sequence[tuple[int, list[int], SamplingParams, int | None]]
     ) -> AsyncIterator[list[Outcome]]:
         """Several requests in one call; their outcomes stream back as they finish
         (`rlhf.rollout.batching`)."""
-        async for outcomes in self.streamed.stream(call_id, requests, self.engine.generate):
+        async for outcomes in self.streamed.stream(call_id, requests, self._generate):
             yield outcomes
+
+    async def _generate(self, ids: list[int], sampling: SamplingParams, n: int | None) -> Any:
+        if n is None:
+            return await self.engine.generate(ids, sampling)
+        return await self.engine.generate_group(ids, sampling, n)
 
     async def abort_requests(self, call_id: str, indices: Sequence[int]) -> None:
         self.streamed.abort(call_id, indices)  # on the actor's event loop, with the requests
@@ -232,6 +238,24 @@ class RayEngine:
 
         try:
             return await self.batcher.generate(prompt_token_ids, sampling)
+        except RayActorError as exc:
+            raise self.died(exc) from exc
+
+    async def generate_group(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int
+    ) -> list[Generation]:
+        """`VLLMEngine.generate_group`: ``n`` samples of one prompt as one engine request,
+        batched with the other requests of the event-loop turn as `generate` is.
+
+        Raises:
+            EngineDiedError: as `generate`.
+        """
+        from ray.exceptions import RayActorError
+
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        try:
+            return await self.batcher.generate_group(prompt_token_ids, sampling, n)
         except RayActorError as exc:
             raise self.died(exc) from exc
 

@@ -263,6 +263,25 @@ def test_started_runs_answer_per_rank_in_the_order_they_were_made(group, tiny) -
         ray.get(failing[0])
 
 
+def _refuse_or_end_late(backend, marker: str) -> int:
+    if backend.rank == 1:
+        raise ValueError("rank 1 refused")
+    time.sleep(1.0)
+    pathlib.Path(marker).write_text("rank 0 ended")
+    return backend.rank
+
+
+def test_a_ranks_error_comes_once_every_rank_ended_the_call(group, tiny, tmp_path) -> None:
+    """Rank 1 refuses at once while rank 0 is still busy: the driver hears of the error only
+    after rank 0's call ended, so it cannot start the next call (or change the files the call
+    reads) while a rank is still inside this one."""
+    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    marker = tmp_path / "ended"
+    with pytest.raises(ValueError, match="rank 1 refused"):
+        group.run(_refuse_or_end_late, str(marker))
+    assert marker.read_text() == "rank 0 ended"
+
+
 def test_offload_states_is_refused_where_deepspeed_cannot_move_partitions(group, tiny) -> None:
     for stage in (0, 3):
         group.build(config(tiny, stage=stage), backend=DeepSpeedBackend)

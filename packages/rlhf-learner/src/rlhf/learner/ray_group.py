@@ -134,6 +134,30 @@ class RankWorker:
         return fn(self.backend, *args)
 
 
+def gather_ranks(refs: Sequence[Any]) -> list[Any]:
+    """Every rank's result of one call (``refs``, one per rank), in rank order.
+
+    A rank's error is raised only once every rank's call has ended: ``ray.get`` of the list
+    raises the first error it meets at once, and a caller that moved on (to the next call,
+    or to changing the files the call reads) while another rank was still inside the call
+    could leave that rank in a collective the others never join. A rank whose process died
+    (Ray's ``RayActorError``) is raised at once: the others may never end their collective.
+    """
+    import ray
+    from ray.exceptions import RayActorError
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except RayActorError:
+            raise
+        except Exception:  # raised below, in rank order, once every call ended
+            continue
+    return ray.get(list(refs))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -195,23 +219,19 @@ class LearnerGroup:
     def _all(
         self, method: str, *args: Any, per_rank: Sequence[Sequence[Any]] | None = None
     ) -> list:
-        import ray
-
         if per_rank is None:
             refs = [getattr(w, method).remote(*args) for w in self.workers]
         else:
             refs = [
                 getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank, strict=True)
             ]
-        return ray.get(refs)
+        return gather_ranks(refs)
 
     def build(self, config: LearnerConfig, *, backend: BackendFactory) -> dict[str, list[int]]:
         """(Re)build the role on every rank with the ``backend`` factory (e.g.
         `rlhf.learner.DeepSpeedBackend`; the ranks meet in one process group); returns the
         model's fingerprint."""
-        import ray
-
-        return ray.get(self.start_build(config, backend=backend))[0]
+        return gather_ranks(self.start_build(config, backend=backend))[0]
 
     def start_build(self, config: LearnerConfig, *, backend: BackendFactory) -> list[Any]:
         """`build` without waiting: one object ref per rank (each resolves to the model's

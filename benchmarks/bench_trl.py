@@ -19,7 +19,13 @@ and forward calls, which uses the machine's cores (`rlhf.cli.backends.compute_th
 single process uses torch's default (``--trl-threads``, default: the machine's cores); all are
 printed.
 
-Usage (nox installs TRL in a session of its own): ``nox -s bench_trl -- [--steps 40] [--rounds 2]``
+``--shape HIDDENxLAYERS`` (e.g. ``512x4``) times both on a random model of that shape instead
+(the warm start's tokenizer and vocabulary, ``intermediate_size`` 3 × hidden, heads of 32):
+how the ratio moves as the model grows. Such a model learns nothing in the budget; its pass@1 is
+printed but means nothing.
+
+Usage (nox installs TRL in a session of its own):
+``nox -s bench_trl -- [--steps 40] [--rounds 2] [--shape 512x4]``
 """
 
 from __future__ import annotations
@@ -138,6 +144,35 @@ def pass_at_1(model_dir: str, eval_rows: list[dict[str, str]], *, seed: int) -> 
     return sum(a.strip() == y for a, y in zip(answers, labels, strict=True)) / len(labels)
 
 
+def random_model(sft: pathlib.Path, out: pathlib.Path, shape: str) -> pathlib.Path:
+    """A random Qwen2 of ``shape`` (``HIDDENxLAYERS``) with ``sft``'s tokenizer and special
+    tokens, saved in ``out`` (kept: a later run with the same ``--work`` reuses it)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    hidden, _, layers = shape.partition("x")
+    if not (hidden.isdigit() and layers.isdigit() and int(hidden) % 64 == 0 and int(layers)):
+        raise SystemExit(f"--shape {shape!r}: expected HIDDENxLAYERS, hidden a multiple of 64")
+    if (out / "config.json").is_file():
+        return out
+    base = json.loads((sft / "config.json").read_text())
+    AutoTokenizer.from_pretrained(sft).save_pretrained(out)
+    config = Qwen2Config(
+        vocab_size=base["vocab_size"],
+        hidden_size=int(hidden),
+        intermediate_size=3 * int(hidden),
+        num_hidden_layers=int(layers),
+        num_attention_heads=int(hidden) // 32,
+        num_key_value_heads=int(hidden) // 64,
+        max_position_embeddings=base["max_position_embeddings"],
+        tie_word_embeddings=True,
+        **{k: base[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id")},
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    return out
+
+
 # -- the driver -----------------------------------------------------------------------------
 def _ours(work: pathlib.Path, name: str, sft: str, steps: int, seed: int) -> dict[str, Any]:
     run = work / name
@@ -181,6 +216,7 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=pathlib.Path, default=None)
     parser.add_argument("--work", type=pathlib.Path, default=None)
+    parser.add_argument("--shape", default=None, help="HIDDENxLAYERS: a random model instead")
     # TRL's run (internal)
     parser.add_argument("--trl", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -207,6 +243,9 @@ def main() -> None:
             stdout=subprocess.DEVNULL,
         )
     sft = str(work / "warm" / "sft" / "final")
+    if args.shape:
+        sft = str(random_model(pathlib.Path(sft), work / f"random-{args.shape}", args.shape))
+        print(f"[bench_trl] a random {args.shape} model: {sft}", flush=True)
     assets = work / "warm" / "assets"
     train = str(assets / "train.jsonl")
     eval_rows = [json.loads(x) for x in (assets / "eval.jsonl").read_text().splitlines()]
@@ -238,6 +277,7 @@ def main() -> None:
     report = {
         "steps": args.steps,
         "rounds": args.rounds,
+        "shape": args.shape or "the demo's SFT model",
         "threads": {
             "ours_per_process": 1,
             "ours_learner_computing": compute_threads(num_ranks=1, gpu=False, beside_engines=False),

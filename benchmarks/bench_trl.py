@@ -144,15 +144,26 @@ def pass_at_1(model_dir: str, eval_rows: list[dict[str, str]], *, seed: int) -> 
     return sum(a.strip() == y for a, y in zip(answers, labels, strict=True)) / len(labels)
 
 
+def model_shape(shape: str) -> str:
+    """``--shape``'s value, checked before anything runs: ``HIDDENxLAYERS``, hidden a positive
+    multiple of 64 (heads of 32, two query heads per key-value head), layers positive."""
+    hidden, _, layers = shape.partition("x")
+    if not (hidden.isdigit() and layers.isdigit() and int(hidden) % 64 == 0 and int(hidden)):
+        raise argparse.ArgumentTypeError(
+            f"{shape!r}: expected HIDDENxLAYERS with hidden a positive multiple of 64, e.g. 512x4"
+        )
+    if not int(layers):
+        raise argparse.ArgumentTypeError(f"{shape!r}: at least one layer")
+    return shape
+
+
 def random_model(sft: pathlib.Path, out: pathlib.Path, shape: str) -> pathlib.Path:
-    """A random Qwen2 of ``shape`` (``HIDDENxLAYERS``) with ``sft``'s tokenizer and special
+    """A random Qwen2 of ``shape`` (`model_shape`) with ``sft``'s tokenizer and special
     tokens, saved in ``out`` (kept: a later run with the same ``--work`` reuses it)."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     hidden, _, layers = shape.partition("x")
-    if not (hidden.isdigit() and layers.isdigit() and int(hidden) % 64 == 0 and int(layers)):
-        raise SystemExit(f"--shape {shape!r}: expected HIDDENxLAYERS, hidden a multiple of 64")
     if (out / "config.json").is_file():
         return out
     base = json.loads((sft / "config.json").read_text())
@@ -216,7 +227,9 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=pathlib.Path, default=None)
     parser.add_argument("--work", type=pathlib.Path, default=None)
-    parser.add_argument("--shape", default=None, help="HIDDENxLAYERS: a random model instead")
+    parser.add_argument(
+        "--shape", type=model_shape, default=None, help="HIDDENxLAYERS: a random model instead"
+    )
     # TRL's run (internal)
     parser.add_argument("--trl", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

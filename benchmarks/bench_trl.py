@@ -24,8 +24,13 @@ printed.
 how the ratio moves as the model grows. Such a model learns nothing in the budget; its pass@1 is
 printed but means nothing.
 
+``--floor`` times, in this one process and alternating, what bounds a step from below whatever
+runs around it: our vLLM engine sampling the step's 16 prompts × 8 answers (in process, no Ray),
+transformers ``generate`` sampling the same (TRL's way), and one plain torch AdamW step on 128
+such sequences; vLLM's sampling plus that step is the least a step with vLLM rollout can take.
+
 Usage (nox installs TRL in a session of its own):
-``nox -s bench_trl -- [--steps 40] [--rounds 2] [--shape 512x4]``
+``nox -s bench_trl -- [--steps 40] [--rounds 2] [--shape 512x4] [--floor]``
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 TRL_VERSION = "1.16.0"
@@ -184,6 +190,87 @@ def random_model(sft: pathlib.Path, out: pathlib.Path, shape: str) -> pathlib.Pa
     return out
 
 
+def floor(model: str, train: str, *, repeats: int, seed: int, threads: int) -> dict[str, Any]:
+    """Median seconds of vLLM's sampling, transformers' sampling and a plain training step on
+    the demo's step shape (see the module docstring), alternating, after 3 untimed rounds."""
+    import asyncio
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf.agents import SamplingParams
+    from rlhf.rollout import EngineConfig, VLLMEngine
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(x) for x in pathlib.Path(train).read_text().splitlines()][:16]
+    prompts = [tokenizer.encode(r["input"]) for r in rows]  # equal lengths ("dddd:")
+    engine = VLLMEngine(EngineConfig(model=model, dtype="float32", max_model_len=64, seed=seed))
+    engine.start()
+    sampling = SamplingParams(
+        max_new_tokens=6, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,)
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    learner = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).train()
+    optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-6)
+    ids = torch.tensor([p for p in prompts for _ in range(8)])  # [128, prompt_len]
+
+    async def vllm_step(k: int) -> None:
+        groups = (
+            engine.generate_group(p, dataclasses.replace(sampling, seed=seed + 64 * k + 8 * i), 8)
+            for i, p in enumerate(prompts)
+        )
+        await asyncio.gather(*groups)
+
+    def hf_step(k: int) -> torch.Tensor:
+        torch.manual_seed(seed + k)
+        with torch.no_grad():
+            return hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=6,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+
+    sequences = hf_step(0)  # [128, prompt_len + ≤ 6]
+    advantages = torch.randn(sequences.shape[0], 1)
+
+    def train_step(k: int) -> None:
+        logits = learner(sequences).logits[:, :-1]  # [128, T - 1, vocab]
+        logp = logits.log_softmax(-1).gather(-1, sequences[:, 1:, None]).squeeze(-1)
+        loss = -(logp[:, ids.shape[1] - 1 :] * advantages).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(learner.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    parts: dict[str, Callable[[int], Any]] = {
+        "vllm_generate_s": lambda k: asyncio.run(vllm_step(k)),
+        "hf_generate_s": hf_step,
+        "train_step_s": train_step,
+    }
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for k in range(3 + repeats):
+        for name, part in parts.items():
+            tick = time.perf_counter()
+            part(k)
+            if k >= 3:
+                times[name].append(time.perf_counter() - tick)
+    engine.shutdown()
+    med = {name: statistics.median(v) for name, v in times.items()}
+    return {
+        **med,
+        "ratio_vllm_over_hf_generate": med["vllm_generate_s"] / med["hf_generate_s"],
+        "floor_vllm_step_s": med["vllm_generate_s"] + med["train_step_s"],
+        "threads": threads,
+    }
+
+
 # -- the driver -----------------------------------------------------------------------------
 def _ours(work: pathlib.Path, name: str, sft: str, steps: int, seed: int) -> dict[str, Any]:
     run = work / name
@@ -230,6 +317,7 @@ def main() -> None:
     parser.add_argument(
         "--shape", type=model_shape, default=None, help="HIDDENxLAYERS: a random model instead"
     )
+    parser.add_argument("--floor", action="store_true", help="also the step's floor (docstring)")
     # TRL's run (internal)
     parser.add_argument("--trl", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -307,6 +395,11 @@ def main() -> None:
         "ratio_to_step_1_ours_over_trl": med("ours", "to_step_1_s") / med("trl", "to_step_1_s"),
         "per_round": runs,
     }
+    if args.floor:
+        report["floor"] = floor(sft, train, repeats=20, seed=args.seed, threads=os.cpu_count() or 1)
+        report["floor"]["ratio_floor_over_trl_step"] = report["floor"]["floor_vllm_step_s"] / med(
+            "trl", "step_s"
+        )
     print(json.dumps({k: v for k, v in report.items() if k != "per_round"}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

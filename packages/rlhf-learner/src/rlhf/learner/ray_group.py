@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ from rlhf.learner import checkpoint as ckpt
 from rlhf.learner.backend import BackendFactory, Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
+from rlhf.learner.ports import free_port
 from rlhf.learner.role import (
     ForwardFn,
     RowResults,
@@ -158,12 +158,6 @@ def gather_ranks(refs: Sequence[Any]) -> list[Any]:
     return ray.get(list(refs))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LearnerGroup:
     """The ranks of one role, as Ray actors; a `rlhf.learner.Role`.
 
@@ -192,7 +186,7 @@ class LearnerGroup:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         if scheduling is not None and len(scheduling) != num_ranks:
             raise ValueError(f"scheduling has {len(scheduling)} entries for {num_ranks} ranks")
-        port = _free_port()
+        port = free_port()
         options: dict[str, Any] = {
             "num_cpus": num_cpus_per_rank,
             "num_gpus": num_gpus_per_rank,

@@ -341,7 +341,9 @@ def test_sft_objective_is_token_mean_nll(tiny, tokenizer) -> None:
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
-def test_rendezvous_ports_are_drawn_below_the_ephemeral_range_and_never_twice(tmp_path) -> None:
+def test_rendezvous_ports_are_drawn_below_the_ephemeral_range_and_never_twice(
+    tmp_path, monkeypatch
+) -> None:
     """`free_port`: a port a store can bind, below the kernel's ephemeral range (where no
     outgoing connection or bind to port 0 takes it before the store listens), never the same
     one twice in a process, and the kernel's choice when that range leaves no room below."""
@@ -376,12 +378,8 @@ def test_rendezvous_ports_are_drawn_below_the_ephemeral_range_and_never_twice(tm
             for p in range(ports.RENDEZVOUS_LOW, high)
             if p not in ports._handed and ports._bindable(p)
         )
-        saved = ports._draw
-        ports._draw = Draws([taken, drawn[0], free])
-        try:
-            assert ports.free_port(ephemeral_from=65536) == free
-        finally:
-            ports._draw = saved
+        monkeypatch.setattr(ports, "_draw", Draws([taken, drawn[0], free]))
+        assert ports.free_port(ephemeral_from=65536) == free
     (tmp_path / "range").write_text("40000\t60999\n")
     assert ports.ephemeral_low(tmp_path / "range") == 40000
     (tmp_path / "range").write_text("garbage")

@@ -288,6 +288,28 @@ def test_ppo_objective_equals_rlhf_algos_on_the_full_batch(tiny) -> None:
     assert metrics["actor/entropy"] > 0
 
 
+def test_kl_loss_with_a_zero_coefficient_needs_no_reference(tiny) -> None:
+    """β = 0 disables the KL term (``--algo.kl.init_coef 0`` on a KL-loss preset such as
+    grpo): a run without it builds no reference, so its batches carry no ``ref_logprobs`` and
+    the loss is the policy loss alone; with β > 0 a missing reference is still named."""
+    model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    batch = _rl_batch(model, seed=2)
+    m = batch["action_mask"]
+    norm = float(loss_normalizer(m, mode="token-mean"))
+    del batch.fields["ref_logprobs"]
+    kl_loss = AlgoConfig(kl=KLConfig(use_loss=True, init_coef=0.0))
+    loss, metrics = PPOActorObjective(algo=kl_loss, normalizer=norm, kl_coef=0.0)(model, batch)
+    lp = token_logprobs(model, batch.input_ids, batch.attention_mask)[0]
+    pg, _ = policy_loss(
+        logprobs=lp, old_logprobs=batch["old_logprobs"], advantages=batch["advantages"],
+        action_mask=m, config=kl_loss.policy_loss,
+    )  # fmt: skip
+    assert loss.item() == pytest.approx(pg.item(), rel=1e-6)
+    assert "actor/kl_loss" not in metrics
+    with pytest.raises(KeyError, match="ref_logprobs"):
+        PPOActorObjective(algo=kl_loss, normalizer=norm, kl_coef=0.1)(model, batch)
+
+
 def test_micro_batches_without_actions_report_no_metrics_and_maxima_stay_maxima(tiny) -> None:
     """A micro-batch whose rows were all filtered out (action mask all 0) still contributes its
     (zero) loss but no metrics; `train_passes` averages the others over the micro-batches that

@@ -44,7 +44,8 @@ class PPOActorObjective:
 
     Batch fields: ``action_mask``, ``advantages`` (B, L); ``old_logprobs`` (absent: the
     current policy, detached — exact for one optimizer step per rollout); ``ref_logprobs``
-    when ``algo.kl.use_loss``; ``rollout_logprobs`` with ``algo.rollout_correction`` (when
+    when ``algo.kl.use_loss`` and ``kl_coef`` is not 0 (β = 0 disables the KL term, and a run
+    without it builds no reference); ``rollout_logprobs`` with ``algo.rollout_correction`` (when
     present, ``actor/rollout_logprob_diff_max`` reports the largest sampler/learner gap).
 
     Attributes:
@@ -99,7 +100,7 @@ class PPOActorObjective:
             "normalizer": self.normalizer,
             "max_len": algo.loss_agg_max_len,
         }
-        if algo.kl.use_loss:
+        if algo.kl.use_loss and self.kl_coef != 0:
             kl = kl_penalty(
                 logprobs=logprobs,
                 ref_logprobs=batch["ref_logprobs"],

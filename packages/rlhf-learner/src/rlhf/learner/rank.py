@@ -29,7 +29,7 @@ from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.checkpoint import CheckpointError, load_tensors, save_tensors
 from rlhf.learner.config import ModelConfig
-from rlhf.learner.ports import free_port
+from rlhf.weights.ports import free_port
 
 NamedParams = Iterable[tuple[str, torch.nn.Parameter]]
 

@@ -23,7 +23,6 @@ from rlhf.learner import checkpoint as ckpt
 from rlhf.learner.backend import BackendFactory, Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
-from rlhf.learner.ports import free_port
 from rlhf.learner.role import (
     ForwardFn,
     RowResults,
@@ -32,6 +31,7 @@ from rlhf.learner.role import (
     rank_work,
     row_results,
 )
+from rlhf.weights.ports import free_port
 
 
 @contextlib.contextmanager

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from rlhf.weights.format import BucketHeader, WeightBucket, WeightSyncError, as_uint8
+from rlhf.weights.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,6 @@ class BroadcastGroupSpec:
     port: int = 0
     unique_id: tuple[int, ...] = ()
     timeout_s: float = 300.0
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _nccl() -> Any:
@@ -85,9 +79,7 @@ def new_broadcast_group(
     if backend == "nccl":
         unique_id = tuple(_nccl().get_unique_id())
         return BroadcastGroupSpec(backend, world_size, unique_id=unique_id, timeout_s=timeout_s)
-    return BroadcastGroupSpec(
-        backend, world_size, host=host, port=_free_port(host), timeout_s=timeout_s
-    )
+    return BroadcastGroupSpec(backend, world_size, host=host, port=free_port(), timeout_s=timeout_s)
 
 
 class _Collective(Protocol):

@@ -1,11 +1,13 @@
-"""`free_port`: the port a process group's store (torch's ``TCPStore`` on rank 0) will listen on.
+"""`free_port`: the port a process group's store (torch's ``TCPStore`` on rank 0) will listen on:
+the gloo weight broadcast's group here, the learner's DeepSpeed and FSDP2 ranks in
+``rlhf.learner``.
 
 The port is chosen in one process and bound seconds later in another (a rank that first imports
-its backend), so "free now" is not enough: a port of the kernel's ephemeral range can meanwhile
-become an outgoing connection's source port or another process's bind to port 0 (gloo's pairs,
-Ray's servers), and the store then fails with ``EADDRINUSE``. Ports are therefore drawn at
-random below that range (and above Ray's default worker ports, 10002-19999), where neither
-happens, and never handed out twice by one process.
+its backend, an engine that joins the group), so "free now" is not enough: a port of the
+kernel's ephemeral range can meanwhile become an outgoing connection's source port or another
+process's bind to port 0 (gloo's pairs, Ray's servers), and the store then fails with
+``EADDRINUSE``. Ports are therefore drawn at random below that range (and above Ray's default
+worker ports, 10002-19999), where neither happens, and never handed out twice by one process.
 """
 
 from __future__ import annotations

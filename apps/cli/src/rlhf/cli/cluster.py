@@ -154,7 +154,10 @@ def start_ray(*, address: str = "") -> Cluster:
             ray.init(address=joined, log_to_driver=False)
         else:
             ray.init(**_LOCAL_INIT)
-        claim_signals()  # ray.init installed its own SIGTERM handler (rlhf.cli.stopping)
+    # ray.init, here or on start_ray_early's thread, installed Ray's SIGTERM handler, which
+    # dumps a stack and arms a 3 s alarm that aborts the process mid-clean-up
+    # (rlhf.cli.stopping): ours goes back in place.
+    claim_signals()
     return Cluster(
         gpu=bool(ray.cluster_resources().get("GPU")),
         nodes=sum(1 for node in ray.nodes() if node.get("Alive")),

@@ -78,9 +78,10 @@ def stop_on_signals() -> Iterator[list[bool]]:
 
 
 def claim_signals() -> None:
-    """Install `Stopped`'s handlers again: ``ray.init`` replaces the SIGTERM handler with its
-    own (which dumps a stack and ends the process without any clean-up). A no-op outside
-    `stop_on_signals` and off the main thread."""
+    """Install `Stopped`'s handlers again: ``ray.init`` (on any thread) replaces the SIGTERM
+    handler with Ray's own, which dumps a stack, calls the previous handler and arms an alarm
+    that aborts the process 3 s later: a clean-up longer than that ended in SIGABRT. A no-op
+    outside `stop_on_signals` and off the main thread."""
     if _claimed and _claimed[-1] and threading.current_thread() is threading.main_thread():
         for s in STOP_SIGNALS:
             signal.signal(s, _raise_stopped)

@@ -209,13 +209,20 @@ def floor(model: str, train: str, *, repeats: int, seed: int, threads: int) -> d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.agents import SamplingParams
+    from rlhf.cli.demo import DemoConfig, rl_config
     from rlhf.rollout import EngineConfig, VLLMEngine
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows = [json.loads(x) for x in pathlib.Path(train).read_text().splitlines()][:16]
     prompts = [tokenizer.encode(r["input"]) for r in rows]  # equal lengths ("dddd:")
-    engine = VLLMEngine(EngineConfig(model=model, dtype="float32", max_model_len=64, seed=seed))
+    # The engine the demo's RL stage runs (its --vllm section and max_len), here in process;
+    # only those sections of its config are read, so its data paths need not be the eval's.
+    files = dict.fromkeys(("train", "eval"), pathlib.Path(train))
+    demo = rl_config(DemoConfig(seed=seed), pathlib.Path(model), files)
+    engine = VLLMEngine(
+        EngineConfig.of(demo.vllm, model=model, max_model_len=demo.rollout.max_len, seed=seed)
+    )
     engine.start()
     sampling = SamplingParams(
         max_new_tokens=6, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,)

@@ -7,12 +7,15 @@ Each `tests(<member>)` session installs only that member, the rlhf siblings it d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import re
+import time
 import tomllib
 import zipfile
+from collections.abc import Iterator
 
 import nox
 
@@ -102,10 +105,30 @@ def _compile(session: nox.Session) -> None:
     )
 
 
+@contextlib.contextmanager
+def _timed(session: nox.Session) -> Iterator[None]:
+    """Record the session's wall time (its installs included; the virtualenv's creation, a few
+    seconds before the session's function runs, is not) in ``.ci-reports/session-<name>.json``,
+    which `.ci/summarize_junit.py` prints at the end of CI."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        REPORTS.mkdir(exist_ok=True)
+        slug = re.sub(r"[^A-Za-z0-9.-]+", "-", session.name).strip("-")
+        record = {"session": session.name, "wall_s": round(time.monotonic() - start, 1)}
+        (REPORTS / f"session-{slug}.json").write_text(json.dumps(record))
+
+
 @nox.session(python="3.11")
 @nox.parametrize("member", list(MEMBERS))
 def tests(session: nox.Session, member: str) -> None:
     """Run one member's tests in an environment holding only what it declares."""
+    with _timed(session):
+        _run_tests(session, member)
+
+
+def _run_tests(session: nox.Session, member: str) -> None:
     _install_member(session, member)
     REPORTS.mkdir(exist_ok=True)
     report = REPORTS / f"junit-{member}.xml"
@@ -130,14 +153,22 @@ def tests(session: nox.Session, member: str) -> None:
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
-    session.install(*LINT_TOOLS)
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
+    with _timed(session):
+        session.install(*LINT_TOOLS)
+        session.run("ruff", "check", ".")
+        session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
-    """pyright (standard mode) over every member's sources, with their dependencies installed."""
+    """pyright (standard mode) over every member's sources, with their dependencies installed;
+    fails as well when pyright analysed fewer files than the source trees hold (it once passed
+    over 0 files, see the root pyproject's ``[tool.pyright]``)."""
+    with _timed(session):
+        _typecheck(session)
+
+
+def _typecheck(session: nox.Session) -> None:
     session.install(*TYPECHECK_TOOLS)
     editables = []
     for member, path in MEMBERS.items():
@@ -148,21 +179,64 @@ def typecheck(session: nox.Session) -> None:
     session.install(NO_COMPILE, "-c", str(CONSTRAINTS), *editables, env={"DS_BUILD_OPS": "0"})
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU, silent=True)
     python = pathlib.Path(session.bin) / "python"
-    session.run("pyright", "--pythonpath", str(python), *session.posargs)
+    raw = session.run(
+        "pyright", "--outputjson", "--pythonpath", str(python), *session.posargs,
+        silent=True, success_codes=[0, 1],
+    )  # fmt: skip
+    if not isinstance(raw, str):  # --install-only
+        return
+    result = _pyright_json(raw)
+    for d in result["generalDiagnostics"]:
+        where = f"{d.get('file', '?')}:{d['range']['start']['line'] + 1}"
+        print(f"{where}: {d['severity']}: {d['message']} ({d.get('rule', '')})")
+    summary = result["summary"]
+    print(
+        f"pyright: {summary['filesAnalyzed']} files analysed, {summary['errorCount']} errors, "
+        f"{summary['warningCount']} warnings"
+    )
+    expected = _typechecked_sources()
+    if not session.posargs and summary["filesAnalyzed"] < len(expected):  # the whole tree
+        session.error(
+            f"pyright analysed {summary['filesAnalyzed']} files but [tool.pyright].include "
+            f"holds {len(expected)} Python files: it is not checking the whole tree"
+        )
+    if summary["errorCount"]:
+        session.error(f"pyright: {summary['errorCount']} errors")
+
+
+def _pyright_json(raw: str) -> dict:
+    """pyright's ``--outputjson`` report out of the session's output (pyright may print its own
+    download notes on first use before it)."""
+    start = raw.find("{\n")
+    if start < 0:
+        raise ValueError(f"no JSON report in pyright's output:\n{raw[-2000:]}")
+    return json.loads(raw[start:])
+
+
+def _typechecked_sources() -> list[pathlib.Path]:
+    """The Python files under the root pyproject's ``[tool.pyright].include`` folders."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pyright"]
+    return [f for folder in config["include"] for f in (ROOT / folder).rglob("*.py")]
 
 
 @nox.session(python="3.11")
 def imports(session: nox.Session) -> None:
     """import-linter contracts encoding the package DAG of ARCHITECTURE.md §1."""
-    session.install(*IMPORT_TOOLS)
-    # Sources only: the contracts read the code, they do not need the members' dependencies.
-    session.install("--no-deps", *(f"-e{path}" for path in MEMBERS.values()))
-    session.run("lint-imports")
+    with _timed(session):
+        session.install(*IMPORT_TOOLS)
+        # Sources only: the contracts read the code, they do not need the members' dependencies.
+        session.install("--no-deps", *(f"-e{path}" for path in MEMBERS.values()))
+        session.run("lint-imports")
 
 
 @nox.session(python="3.11")
 def build(session: nox.Session) -> None:
     """Wheels for every member; fail on a shipped rlhf/__init__.py or a broken version train."""
+    with _timed(session):
+        _build(session)
+
+
+def _build(session: nox.Session) -> None:
     version = _check_version_train(session)
     dist = ROOT / "dist"
     dist.mkdir(exist_ok=True)

@@ -293,3 +293,49 @@ def test_a_sync_reports_its_parts_and_a_refused_one_reports_nothing(
         engine.update_weights([sync[0], sync[1].header.with_buffer(bad), *sync[2:]])
     after = {k: v for k, v in engine.metrics().items() if k.startswith("engine/last_sync_")}
     assert after == parts  # still the last sync that loaded
+
+
+def test_reset_serves_the_checkpoint_again_as_a_fresh_engine(engine, checkpoint, pack) -> None:
+    """A warm engine handed to another run: after any sync, pause and traffic, `reset` serves
+    the model directory's own weights (the greedy completion of the checkpoint, restored after
+    other weights), at version 0, not paused, counters at zero; requests without a seed of
+    their own sample the same tokens after every reset (the engine's seed again)."""
+    state = original(checkpoint)
+    engine.update_weights(pack(state, version=0, bucket_bytes=1 << 20))
+    checkpoint_greedy = greedy(engine)
+    unseeded = SamplingParams(max_new_tokens=10, temperature=1.0)
+
+    def one_unseeded() -> tuple[int, ...]:
+        return asyncio.run(engine.generate(PROMPT, unseeded)).token_ids
+
+    engine.reset()
+    first_draws = [one_unseeded() for _ in range(3)]
+    assert len(set(first_draws)) > 1  # the generator moves on between requests
+
+    engine.update_weights(pack({k: v * 1.5 for k, v in state.items()}, version=7,
+                               bucket_bytes=1 << 20))  # fmt: skip
+    assert greedy(engine) != checkpoint_greedy and engine.weight_version == 7
+    engine.pause()
+    engine.reset()
+    metrics = engine.metrics()
+    assert engine.weight_version == 0 and metrics["engine/paused"] == 0
+    for counter in ("requests_done", "requests_aborted", "tokens_generated", "steps", "busy_s"):
+        assert metrics[f"engine/{counter}"] == 0, counter
+    assert [one_unseeded() for _ in range(3)] == first_draws
+    assert greedy(engine) == checkpoint_greedy
+
+
+def test_reset_is_refused_while_requests_are_in_flight(engine) -> None:
+    async def go():
+        engine.pause()
+        task = asyncio.create_task(engine.generate(PROMPT, GREEDY))
+        try:
+            while engine.metrics()["engine/in_flight"] == 0:
+                await asyncio.sleep(0.01)
+            with pytest.raises(EngineError, match=r"reset\(\) with 1 requests in flight"):
+                engine.reset()
+        finally:
+            engine.resume()
+        await task
+
+    asyncio.run(go())

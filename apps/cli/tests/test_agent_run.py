@@ -110,8 +110,7 @@ def test_an_environment_step_that_never_returns_stops_the_run_at_its_deadline(as
     env = tmp_path / "hung_env.py"
     env.write_text(HUNG_ENV)
     out = rlhf("train", "grpo", *_train_args(assets, tmp_path / "run"),
-               "--train.agent_func_path", str(env), "--train.agent_step_timeout_s", "1",
-               timeout=600)  # fmt: skip
+               "--train.agent_func_path", str(env), "--train.agent_step_timeout_s", "1")  # fmt: skip
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-3000:])
     assert f"rlhf: environment Environment in {env} (prompt " in out.stderr
     assert "step() on turn 0 did not return within 1.0 s (step_timeout_s)" in out.stderr
@@ -125,8 +124,7 @@ def test_episodes_that_time_out_end_with_the_fallback_reward(assets, tmp_path) -
     env.write_text(HUNG_ENV)
     out = rlhf("train", "rloo", *_train_args(assets, tmp_path / "run"),
                "--train.agent_func_path", str(env), "--train.agent_step_timeout_s", "1",
-               "--train.agent_failure_policy", "fallback", "--train.agent_fallback_value", "0.25",
-               timeout=600)  # fmt: skip
+               "--train.agent_failure_policy", "fallback", "--train.agent_fallback_value", "0.25")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [r for r in _rows(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]

@@ -203,7 +203,7 @@ def test_dry_run_prints_each_gpu_and_exits_0_when_it_fits_1_when_not(tmp_path):
         "--vllm.tensor_parallel_size", "2", "--algo.kl.init_coef", "0",
         "--plan.gpu_memory_gib", "80", "--run_dir", str(tmp_path / "run"),
     ]  # fmt: skip
-    done = rlhf(*flags, timeout=120)
+    done = rlhf(*flags)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "[capacity] 8 GPU(s) of 80 GiB" in out
@@ -212,7 +212,7 @@ def test_dry_run_prints_each_gpu_and_exits_0_when_it_fits_1_when_not(tmp_path):
     assert out.strip().endswith("fits (estimates; see rlhf.cli.capacity)")
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
-    small = rlhf(*flags[:-4], "--plan.gpu_memory_gib", "24", timeout=120)
+    small = rlhf(*flags[:-4], "--plan.gpu_memory_gib", "24")
     assert small.returncode == 1
     assert "DOES NOT FIT" in small.stdout
 
@@ -231,7 +231,7 @@ def test_dry_run_of_ppo_places_critic_reference_and_reward_model_as_the_run_does
         # Optimizers on the host: each rank's peak is its backward's, with activations.
         "--actor.deepspeed.offload_optimizer", "True",
         "--critic.deepspeed.offload_optimizer", "True",
-        "--plan.gpu_memory_gib", "200", timeout=120,
+        "--plan.gpu_memory_gib", "200",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = {
@@ -259,7 +259,6 @@ def test_dry_run_of_ppo_places_critic_reference_and_reward_model_as_the_run_does
 def test_dry_run_reads_the_shape_and_names_a_missing_config(tmp_path):
     done = rlhf(
         "train", "grpo", "--dry_run", "True", "--actor.model.path", str(tmp_path / "nowhere"),
-        timeout=120,
     )  # fmt: skip
     assert done.returncode == 2
     assert "--actor.model.path" in done.stderr and "no config.json" in done.stderr
@@ -273,7 +272,7 @@ def test_dry_run_of_the_single_model_commands(kind, tmp_path):
         "train", kind, "--dry_run", "True", "--model.model.path", str(model),
         "--model.num_ranks", "8", "--model.deepspeed.zero_stage", "3",
         "--model.deepspeed.bf16", "True", "--micro_batch_size", "1", "--max_len", "2048",
-        "--plan.gpu_memory_gib", "80", timeout=120,
+        "--plan.gpu_memory_gib", "80",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "GPU 0-7: model" in done.stdout
@@ -294,7 +293,7 @@ def test_the_70b_layout_in_the_readme_fits_as_written(tmp_path):
         vocab_size=128256, torch_dtype="bfloat16",
     )  # fmt: skip
     args = [str(model) if a == "/models/llama-3-70b" else a for a in args[1:]]
-    done = rlhf(*args, timeout=120)
+    done = rlhf(*args)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "64 GPU(s) of 140 GiB" in done.stdout and "8 node(s)" in done.stdout
 

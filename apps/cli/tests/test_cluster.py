@@ -20,7 +20,7 @@ from rlhf.cli.config import ConfigError, RLConfig, replace
 from rlhf.cli.nodes import NODE_ID_LABEL, NodeSpec, NodeSpecError, unmatched
 from rlhf.cli.presets import resolve
 
-from .conftest import rlhf, small_run
+from .conftest import rlhf_process, small_run
 
 NODE = "0f" * 28
 
@@ -92,10 +92,10 @@ def _free_port() -> int:
 def test_an_address_nothing_answers_at_is_named_at_once(assets, tmp_path) -> None:
     port = _free_port()  # closed again: nothing listens there
     args = ["train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=1)]
-    out = rlhf(*args, "--ray.address", f"127.0.0.1:{port}", timeout=300)
+    out = rlhf_process(*args, "--ray.address", f"127.0.0.1:{port}", timeout=300)
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
     assert f"--ray.address '127.0.0.1:{port}': no Ray head answers there" in out.stderr
-    out = rlhf(*args, env={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=300)
+    out = rlhf_process(*args, env={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=300)
     assert out.returncode == 2 and "RAY_ADDRESS '127.0.0.1:" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
 
@@ -166,6 +166,8 @@ def test_a_run_joins_a_cluster_places_roles_by_node_and_resumes_as_a_job(
          sys.executable, "-m", "rlhf.cli", "train", "grpo", "--run_dir", str(run), *flags,
          "--ckpt.load_enable", "True"],
         capture_output=True, text=True, timeout=900, check=False,
+        # `ray job submit` would take RAY_ADDRESS (the test run's own cluster) over --address.
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
     )  # fmt: skip
     assert job.returncode == 0, (job.stdout[-4000:], job.stderr[-4000:])
     assert "[plan] ray: joined the cluster at" in job.stdout
@@ -196,7 +198,7 @@ def test_without_an_address_a_run_starts_its_own_cluster_beside_a_running_one(
 
 
 def test_a_node_spec_the_cluster_lacks_is_refused_without_waiting(assets, tmp_path, cluster):
-    out = rlhf(
+    out = rlhf_process(
         "train", "grpo", "--run_dir", str(tmp_path), *small_run(assets, steps=1),
         "--ray.address", cluster["address"], "--vllm.node", "pool=gpu",
         timeout=300,
@@ -230,7 +232,7 @@ def test_sft_joins_the_cluster_on_the_node_it_names(assets, tmp_path, cluster) -
                   "nodes": [cluster["rollout"]]}
     }  # fmt: skip
     assert (tmp_path / "sft" / "final" / "tokenizer.json").is_file()
-    out = rlhf(*base, "--run_dir", str(tmp_path / "no"), "--model.model.path",
+    out = rlhf_process(*base, "--run_dir", str(tmp_path / "no"), "--model.model.path",
                str(assets["model"]), "--model.node", "pool=gpu", timeout=300)  # fmt: skip
     assert out.returncode == 2 and "--model.node pool=gpu: no alive node" in out.stderr, out.stderr[
         -2000:

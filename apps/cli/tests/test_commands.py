@@ -295,7 +295,7 @@ def test_bad_configs_and_data_name_the_flag(assets, tmp_path, args, message) -> 
     model = ["--actor.model.path", str(assets["model"]), "--data.prompt_data", str(assets["train"]),
              "--run_dir", str(tmp_path)]  # fmt: skip
     args = [a for x in args for a in (model if x == "--MODEL" else [x])]
-    out = rlhf("train", "grpo", *args, timeout=300)
+    out = rlhf("train", "grpo", *args)
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
     assert message in out.stderr
 
@@ -309,7 +309,6 @@ def test_every_problem_is_listed_at_once_before_anything_starts(assets, tmp_path
         "--data.prompt_data", str(assets["train"]), "--run_dir", str(tmp_path),
         "--rollout.n_samples_per_prompt", "0", "--train.ppo_epochs", "0",
         "--rollout.temperature", "0", "--rollout.top_p", "1.5", "--eval.n_samples", "0",
-        timeout=300,
     )  # fmt: skip
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
     expected = [
@@ -327,7 +326,7 @@ def test_every_problem_is_listed_at_once_before_anything_starts(assets, tmp_path
 
 
 def test_unknown_flag_is_refused() -> None:
-    out = rlhf("train", "grpo", "--rollout.n_samples", "4", timeout=120)
+    out = rlhf("train", "grpo", "--rollout.n_samples", "4")
     assert out.returncode == 2 and "n_samples" in out.stderr
 
 

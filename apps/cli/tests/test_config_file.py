@@ -113,9 +113,9 @@ def test_unreadable_files_are_named(tmp_path, name, text, message) -> None:
 def test_the_command_stops_before_starting_anything(tmp_path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(BAD)
-    out = rlhf("train", "grpo", "--config", str(path), "--run_dir", str(tmp_path), timeout=300)
+    out = rlhf("train", "grpo", "--config", str(path), "--run_dir", str(tmp_path))
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
     assert f"rlhf: 6 problems in {path}:" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "config.json").exists()
-    out = rlhf("train", "grpo", "--config", str(tmp_path / "missing.yaml"), timeout=300)
+    out = rlhf("train", "grpo", "--config", str(tmp_path / "missing.yaml"))
     assert out.returncode == 2 and "no such file" in out.stderr

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from .conftest import rlhf, small_run
+from .conftest import process_env, rlhf, small_run
 
 
 @pytest.mark.parametrize("backend", ["deepspeed", "molt"])
@@ -87,11 +87,12 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
     # where the checkpoint holds step 3's batch), so no later checkpoint can race the kill.
     per_step = 16
     held_batches = 3 if mode == "async" else 2
-    env = {
-        **os.environ,
-        "RLHF_TEST_HOLD_AT": str(per_step * held_batches),
-        "RLHF_TEST_LEDGER": str(tmp_path / "ledger"),
-    }
+    # Its own Ray cluster: the reward runs in the engine's process, which must see the hold.
+    env = process_env(
+        cluster="own",
+        RLHF_TEST_HOLD_AT=str(per_step * held_batches),
+        RLHF_TEST_LEDGER=str(tmp_path / "ledger"),
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf.cli", "train", "grpo", "--run_dir", str(part), *common],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
@@ -152,10 +153,10 @@ def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets
                               "train.batch_size": 0, "train.ppo_epochs": 1}  # fmt: skip
     resume = ["train", "grpo", "--run_dir", str(tmp_path / "run"), *common,
               "--ckpt.load_enable", "True"]  # fmt: skip
-    done = rlhf(*resume, timeout=300)
+    done = rlhf(*resume)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "step-00000002 is at step 2: --train.num_steps 2 is done already" in done.stderr
-    reshaped = rlhf(*resume, "--train.num_steps", "3", "--rollout.batch_size", "2", timeout=300)
+    reshaped = rlhf(*resume, "--train.num_steps", "3", "--rollout.batch_size", "2")
     assert reshaped.returncode == 2, reshaped.stderr[-2000:]
     assert (
         "--rollout.batch_size is 2 but step-00000002 was written with 4: resume with the same "
@@ -172,7 +173,7 @@ def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets
     rng = tmp_path / "run/checkpoints/step-00000002/rng/rank-0.safetensors"
     good = rng.read_bytes()
     rng.write_bytes(b"not a checkpoint")
-    damaged = rlhf(*resume, "--train.num_steps", "3", timeout=300)
+    damaged = rlhf(*resume, "--train.num_steps", "3")
     assert damaged.returncode == 2, damaged.stderr[-3000:]
     assert (
         f"step-00000002 is damaged (rng/rank-0.safetensors has 16 bytes, {len(good)} were written); "
@@ -186,7 +187,7 @@ def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets
 
     complete = tmp_path / "run/checkpoints/step-00000002/COMPLETE"
     complete.write_text(json.dumps({"step": 2, "files": ckpt.manifest(complete.parent)}))
-    corrupt = rlhf(*resume, "--train.num_steps", "3", timeout=600)
+    corrupt = rlhf(*resume, "--train.num_steps", "3")
     assert corrupt.returncode == 2, corrupt.stderr[-3000:]
     last = corrupt.stderr.strip().splitlines()[-1]
     assert (
@@ -196,7 +197,7 @@ def test_a_resume_that_cannot_continue_the_run_is_refused_before_start_up(assets
     assert "\x1b[" not in last and "RayTaskError" not in last
     # No checkpoint: an error with True (a mistyped --run_dir?), a new run with auto.
     typo = ["train", "grpo", "--run_dir", str(tmp_path / "typo"), *common]
-    missing = rlhf(*typo, "--ckpt.load_enable", "True", timeout=300)
+    missing = rlhf(*typo, "--ckpt.load_enable", "True")
     assert missing.returncode == 2 and "--ckpt.load_enable True: no checkpoint under" in (
         missing.stderr
     )

@@ -18,7 +18,7 @@ import pytest
 
 from rlhf.learner import latest_checkpoint
 
-from .conftest import rlhf, small_run
+from .conftest import process_env, rlhf, small_run
 
 
 def _wait_for(predicate, *, timeout: float, proc: subprocess.Popen) -> None:
@@ -34,10 +34,10 @@ def _kill_after_two_steps(assets, run_dir, role: str, *, timeout: float, extra=(
     is saved, and wait for the run to end: (the run's flags, returncode, stdout, stderr)."""
     flags = ["--run_dir", str(run_dir), *small_run(assets, steps=8), "--ckpt.save_steps", "1",
              *extra]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf.cli", "train", "grpo", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=process_env(cluster="shared"),
     )  # fmt: skip
     try:
         ckpt = run_dir / "checkpoints"
@@ -105,7 +105,7 @@ def test_a_killed_learner_rank_stops_the_run_with_the_command_that_resumes_it(as
     assert "rlhf: the actor rank 0" in err and "died during the run" in err
     assert "--ckpt.load_enable True to resume" in err
     assert "Traceback" not in err, err[-4000:]
-    done = rlhf("train", "grpo", *flags, "--ckpt.load_enable", "True", timeout=900)
+    done = rlhf("train", "grpo", *flags, "--ckpt.load_enable", "True")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows if "reward/mean" in r) == 8
@@ -169,13 +169,12 @@ def _greedy_tokens(engines) -> list[tuple[int, ...]]:
     return [g.token_ids for g in asyncio.run(each())]
 
 
-def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
+def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets, ray_connected):
     """The other way an engine's death shows: the weight sync after a step finds it dead
     (it died while the learners trained). The live engine loads the sync, then a new engine
     takes the dead one's place, in the run's engines and the pool, and loads the same sync."""
     import types
 
-    import ray
     import torch
     from safetensors.torch import load_file
 
@@ -186,7 +185,6 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
     from rlhf.rollout import EngineConfig, EnginePool
     from rlhf.weights import ObjectStoreSender, pack_buckets
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = EngineConfig(model=str(assets["model"]), dtype="float32", max_model_len=64)
     launch = EngineLaunch(config, num_engines=2, num_cpus=0.5, num_gpus=0.0, scheduling=None)
     engines = launch.start()
@@ -227,10 +225,11 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets):
     finally:
         for e in roles.engines:
             e.shutdown()
-        ray.shutdown()
 
 
-def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(assets):
+def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(
+    assets, ray_connected
+):
     """Over a gloo broadcast group (the actor's rank 0 in this process): an engine dead
     before a sync is found by the sync, restarted and sent that sync in a group formed anew;
     an engine killed while the sync streams (after its first bucket) ends the sender's
@@ -248,7 +247,6 @@ def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(as
     from rlhf.cli.sync import BroadcastTransport
     from rlhf.rollout import EngineConfig, EnginePool
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = EngineConfig(model=str(assets["model"]), dtype="float32", max_model_len=64)
     launch = EngineLaunch(config, num_engines=2, num_cpus=0.5, num_gpus=0.0, scheduling=None)
     engines = launch.start()
@@ -308,7 +306,6 @@ def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(as
             transport.close()
         for e in roles.engines:
             e.shutdown()
-        ray.shutdown()
 
 
 def test_sigterm_stops_the_run_and_every_ray_process_it_started(assets, tmp_path):
@@ -319,7 +316,7 @@ def test_sigterm_stops_the_run_and_every_ray_process_it_started(assets, tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf.cli", "train", "grpo", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=process_env(cluster="own"),  # its own cluster: every process of it must stop
     )  # fmt: skip
     try:
         ckpt = run_dir / "checkpoints"

@@ -102,7 +102,7 @@ def test_a_reward_function_that_never_returns_stops_the_run_at_its_timeout(asset
     hang.write_text(HANGS)
     args = ["--run_dir", str(tmp_path / "run"), *small_run(assets, reward=False, steps=1)]
     out = rlhf("train", "grpo", *args, "--reward.reward_func", str(hang),
-               "--reward.timeout_s", "1", timeout=600)  # fmt: skip
+               "--reward.timeout_s", "1")  # fmt: skip
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-3000:])
     assert f"reward function reward_func in {hang} did not return within 1.0 s " in out.stderr
     assert "(reward.timeout_s)" in out.stderr

@@ -130,7 +130,7 @@ def test_scoring_needs_the_key(server) -> None:
 
 
 def test_a_language_model_without_a_score_head_is_refused(assets) -> None:
-    out = rlhf("serve-rm", "--model_path", str(assets["model"]), timeout=120)
+    out = rlhf("serve-rm", "--model_path", str(assets["model"]))
     assert out.returncode == 2, out.stderr[-2000:]
     assert "has no trained score head" in out.stderr and "rlhf train rm" in out.stderr
 
@@ -158,7 +158,7 @@ def test_binding_beyond_this_machine_without_a_key_warns(reward_model) -> None:
 
 
 def test_a_missing_model_is_a_clear_error(tmp_path) -> None:
-    out = rlhf("serve-rm", "--model_path", str(tmp_path / "nope"), timeout=120)
+    out = rlhf("serve-rm", "--model_path", str(tmp_path / "nope"))
     assert out.returncode == 2
     assert "nope" in out.stderr and "does not exist" in out.stderr
 

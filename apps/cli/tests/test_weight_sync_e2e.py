@@ -9,7 +9,6 @@ import asyncio
 import functools
 
 import pytest
-import ray
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -64,14 +63,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def test_zero3_learner_to_vllm_engine(cluster, checkpoint, tmp_path) -> None:
+def test_zero3_learner_to_vllm_engine(ray_connected, checkpoint, tmp_path) -> None:
     group = LearnerGroup(num_ranks=2)
     (engine,) = spawn_engines(
         EngineConfig(model=str(checkpoint), dtype="float32", max_model_len=128), 1, num_cpus=1

@@ -299,7 +299,9 @@ def run_preference(
 
     from rlhf.cli.cluster import start_ray
     from rlhf.cli.placement import record_placement, role_strategies
-    from rlhf.learner import LearnerGroup, MicroBatching, per_sequence, sequence_logps
+    from rlhf.cli.roles import rank_group
+    from rlhf.cli.warm import release_group, warm_roles
+    from rlhf.learner import MicroBatching, per_sequence, sequence_logps
 
     if kind not in ("rm", "dpo"):
         raise ValueError(f"kind must be rm or dpo, got {kind!r}")
@@ -341,17 +343,20 @@ def run_preference(
     )
     role = config.model
     micro = MicroBatching(max_rows=2 * config.micro_batch_size)
-    group = None
+    group, key, finished = None, None, False
     result: dict[str, Any] = {}
     try:
         gpu = start_ray(address=config.ray.address).gpu
-        group = LearnerGroup(
-            num_ranks=role.num_ranks,
-            num_cpus_per_rank=role.num_cpus_per_rank,
-            num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+        warm = warm_roles()
+        group, key = rank_group(
+            role,
+            gpus=role.num_gpus_per_rank if gpu else 0.0,
             env=rank_env(role, gpu=gpu),
             scheduling=role_strategies(role, flag="--model.node"),
+            warm=warm,
         )
+        if warm is not None:
+            warm.stop_unclaimed()
         group.compute_threads = compute_threads(
             num_ranks=role.num_ranks, gpu=gpu, beside_engines=False
         )
@@ -404,8 +409,9 @@ def run_preference(
         if config.ckpt.export_hf:
             group.export_hf(str(run_dir / "final"))
             tokenizer.save_pretrained(run_dir / "final")
+        finished = True
     finally:
         log.close()
         if group is not None:
-            group.shutdown()
+            release_group(group, key, keep=finished)  # a later run may take it over
     return {**result, "model": str(run_dir / "final")}

@@ -138,6 +138,7 @@ def run_rl(
         f"[plan] weight sync: {transport} ({why}), {bucket} MiB buckets, "
         f"read-back {config.verify_mode}"
     )
+    finished = False
     try:
         driver = RLDriver(
             config=config,
@@ -176,6 +177,7 @@ def run_rl(
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
         driver.transport.close()
         (run_dir / "sync.json").write_text(json.dumps(report(transport, why, roles.engines)))
+        finished = True
         return {"last": driver.last, "evaluations": driver.evaluations}
     except (RayActorError, EngineDiedError) as exc:
         names = roles.process_names
@@ -184,7 +186,7 @@ def run_rl(
         raise as_stopped(exc, hint=resume_hint(run_dir / "checkpoints")) from None
     finally:
         log.close()
-        roles.shutdown()
+        roles.release(keep=finished)  # a later run may take them over (rlhf.cli.warm)
 
 
 @dataclasses.dataclass

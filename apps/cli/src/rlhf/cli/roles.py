@@ -23,6 +23,7 @@ from rlhf.cli.config import RLConfig, RoleConfig, VllmConfig
 from rlhf.cli.hybrid import TurnTaking, measure_headroom
 from rlhf.cli.placement import Placement, place, processes, where_this_process_runs
 from rlhf.cli.startup import Stopwatch
+from rlhf.cli.warm import WarmRoles, warm_roles
 from rlhf.learner import LearnerConfig, LearnerGroup, ModelConfig
 from rlhf.rollout import EngineConfig, EnginePool, RayEngine
 
@@ -87,6 +88,9 @@ class Roles:
     """Ray actor id -> "actor rank 0", "vLLM engine 1", …: filled by `report_placement`."""
     launch: EngineLaunch | None = None
     """How the engines started, to start one in place of a dead one (`EngineLaunch.restart`)."""
+    warm_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Role ("engines", "actor", …) -> the options its processes started with, for the roles
+    a later run may take over (`rlhf.cli.warm`): those on Ray's own resources."""
 
     def replace_engine(self, index: int, engine: RayEngine) -> None:
         """``engine`` takes the place of engine ``index`` (one that died) in `engines`; the
@@ -137,6 +141,29 @@ class Roles:
             e.shutdown()
         for g in self.learner_groups().values():
             g.shutdown()
+        self.placement.remove()
+
+    def release(self, *, keep: bool) -> None:
+        """The run is over: stop its processes, or (``keep``, inside
+        `rlhf.cli.warm.keep_roles_warm`) park those a later run may take over and stop the
+        rest."""
+        warm = warm_roles() if keep else None
+        if warm is None:
+            self.shutdown()
+            return
+        groups = []
+        for name, group in self.learner_groups().items():
+            if name in self.warm_keys:
+                groups.append((self.warm_keys[name], group))
+            else:
+                group.shutdown()
+        engines = None
+        if "engines" in self.warm_keys:
+            engines = (self.warm_keys["engines"], self.engines)
+        else:
+            for e in self.engines:
+                e.shutdown()
+        warm.park(engines=engines, groups=groups)
         self.placement.remove()
 
 
@@ -216,18 +243,55 @@ def engine_launch(
 
 
 def start_learner(
-    name: str, role: RoleConfig, learner: LearnerConfig, *, placement: Placement, gpu: bool
-) -> tuple[LearnerGroup, list[Any]]:
+    name: str,
+    role: RoleConfig,
+    learner: LearnerConfig,
+    *,
+    placement: Placement,
+    gpu: bool,
+    warm: WarmRoles | None = None,
+) -> tuple[LearnerGroup, list[Any], str | None]:
     """The ranks of one role, building with the role's backend (``--<role>.backend``): the
-    group and one object ref per rank that resolves when its rank is built."""
-    group = LearnerGroup(
-        num_ranks=role.num_ranks,
-        num_cpus_per_rank=role.num_cpus_per_rank,
-        num_gpus_per_rank=placement.gpus.get(name, role.num_gpus_per_rank) if gpu else 0.0,
+    group, one object ref per rank that resolves when its rank is built, and the key under
+    which a later run may take the group over (None: it cannot, being placed). A parked
+    group of ``warm`` started with the same options builds anew instead of new ranks."""
+    group, key = rank_group(
+        role,
+        gpus=placement.gpus.get(name, role.num_gpus_per_rank) if gpu else 0.0,
         env=rank_env(role, gpu=gpu),
         scheduling=placement.strategies(name, role.num_ranks),
+        warm=warm,
     )
-    return group, group.start_build(learner, backend=backend_factory(role))
+    return group, group.start_build(learner, backend=backend_factory(role)), key
+
+
+def rank_group(
+    role: RoleConfig,
+    *,
+    gpus: float,
+    env: Mapping[str, str],
+    scheduling: Sequence[Any] | None,
+    warm: WarmRoles | None,
+) -> tuple[LearnerGroup, str | None]:
+    """The rank processes of ``role`` (to be built): a group of ``warm`` parked with the same
+    options, else new ones; and the key under which a later run may take the group over
+    (None for ranks that are placed: in a placement group or on named nodes)."""
+    key = None
+    if scheduling is None:
+        # What shapes a rank's process: its resources and environment, and the backend's
+        # process-wide state (torch.distributed's groups, DeepSpeed's ZeRO-3 and TP set-up).
+        key = repr((role.backend, role.deepspeed, role.fsdp, role.ring_attn_size,
+                    role.num_ranks, role.num_cpus_per_rank, gpus, sorted(env.items())))  # fmt: skip
+    group = warm.take_group(key) if warm is not None and key is not None else None
+    if group is None:
+        group = LearnerGroup(
+            num_ranks=role.num_ranks,
+            num_cpus_per_rank=role.num_cpus_per_rank,
+            num_gpus_per_rank=gpus,
+            env=env,
+            scheduling=scheduling,
+        )
+    return group, key
 
 
 def wait_ready(pending: Mapping[str, Sequence[Any]]) -> dict[str, float]:
@@ -272,24 +336,54 @@ def start_roles(
         placement=placement,
         gpu=gpu,
     )
-    engines = launch.start(wait=not side_by_side)
-    ready = {} if side_by_side else {"engines": time.perf_counter() - start}
-    pending: dict[str, Sequence[Any]] = (
-        {"engines": [e.ready() for e in engines]} if side_by_side else {}
-    )
+    warm = warm_roles()
+    keys: dict[str, str] = {}
+    if launch.scheduling is None:
+        keys["engines"] = repr(launch)
+    engines: list[RayEngine] = []
     groups: dict[str, LearnerGroup] = {}
-    for name, (role, learner) in role_configs(
-        config, total_optimizer_steps=total_optimizer_steps
-    ).items():
-        groups[name], pending[name] = start_learner(
-            name, role, learner, placement=placement, gpu=gpu
-        )
-    for group in groups.values():
-        group.compute_threads = compute_threads(
-            num_ranks=group.world_size, gpu=gpu, beside_engines=config.train.async_enable
-        )
-    waited_from = time.perf_counter() - start
-    ready.update({n: waited_from + s for n, s in wait_ready(pending).items()})
+    # Warm engines are taken over once the learners build (their reset overlaps the builds);
+    # new ones start first, the slowest role (and on shared GPUs, before the learners).
+    warm_engines = warm is not None and "engines" in keys
+    ready: dict[str, float] = {}
+    pending: dict[str, Sequence[Any]] = {}
+    try:
+        if not warm_engines:
+            engines = launch.start(wait=not side_by_side)
+            if side_by_side:
+                pending["engines"] = [e.ready() for e in engines]
+            else:
+                ready["engines"] = time.perf_counter() - start
+        for name, (role, learner) in role_configs(
+            config, total_optimizer_steps=total_optimizer_steps
+        ).items():
+            groups[name], pending[name], key = start_learner(
+                name, role, learner, placement=placement, gpu=gpu, warm=warm
+            )
+            if key is not None:
+                keys[name] = key
+        if warm is not None and warm_engines:
+            engines = warm.take_engines(keys["engines"]) or []
+            if engines:
+                ready["engines"] = time.perf_counter() - start
+            else:
+                engines = launch.start(wait=False)
+                pending["engines"] = [e.ready() for e in engines]
+        if warm is not None:
+            warm.stop_unclaimed()
+        for group in groups.values():
+            group.compute_threads = compute_threads(
+                num_ranks=group.world_size, gpu=gpu, beside_engines=config.train.async_enable
+            )
+        waited_from = time.perf_counter() - start
+        ready.update({n: waited_from + s for n, s in wait_ready(pending).items()})
+    except BaseException:  # nothing started may outlive a run that could not start
+        for e in engines:
+            e.shutdown()
+        for g in groups.values():
+            g.shutdown()
+        placement.remove()
+        raise
     if stopwatch is not None:
         for name, seconds in ready.items():
             stopwatch.ready(name, seconds)
@@ -322,4 +416,5 @@ def start_roles(
         placement=placement,
         turns=turns,
         launch=launch,
+        warm_keys=keys,
     )

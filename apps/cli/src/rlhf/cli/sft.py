@@ -135,7 +135,9 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
 
     from rlhf.cli.cluster import start_ray
     from rlhf.cli.placement import record_placement, role_strategies
-    from rlhf.learner import LearnerGroup, SFTObjective, collate, sft_row
+    from rlhf.cli.roles import rank_group
+    from rlhf.cli.warm import release_group, warm_roles
+    from rlhf.learner import SFTObjective, collate, sft_row
 
     config = config.validate()
     run_dir = pathlib.Path(config.run_dir)
@@ -176,17 +178,20 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     role = config.model
-    group = None
+    group, key, finished = None, None, False
     losses = []
     try:
         gpu = start_ray(address=config.ray.address).gpu
-        group = LearnerGroup(
-            num_ranks=role.num_ranks,
-            num_cpus_per_rank=role.num_cpus_per_rank,
-            num_gpus_per_rank=role.num_gpus_per_rank if gpu else 0.0,
+        warm = warm_roles()
+        group, key = rank_group(
+            role,
+            gpus=role.num_gpus_per_rank if gpu else 0.0,
             env=rank_env(role, gpu=gpu),
             scheduling=role_strategies(role, flag="--model.node"),
+            warm=warm,
         )
+        if warm is not None:
+            warm.stop_unclaimed()
         group.compute_threads = compute_threads(
             num_ranks=role.num_ranks, gpu=gpu, beside_engines=False
         )
@@ -227,8 +232,9 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
         if config.ckpt.export_hf:
             group.export_hf(str(run_dir / "final"))
             tokenizer.save_pretrained(run_dir / "final")
+        finished = True
     finally:
         log.close()
         if group is not None:
-            group.shutdown()
+            release_group(group, key, keep=finished)  # a later run may take it over
     return {"first_loss": losses[0], "last_loss": losses[-1], "model": str(run_dir / "final")}

@@ -27,11 +27,16 @@ def _process_age_s() -> float:
         return 0.0
 
 
+_imports_counted: list[bool] = []  # non-empty once a Stopwatch counted the process's imports
+
+
 class Stopwatch:
     """Consecutive start-up phases, in seconds.
 
     Args:
-        since_process_start: Count the time before construction as the phase ``imports``.
+        since_process_start: Count the time before construction as the phase ``imports``:
+            for the process's first command only (a later command of the same process,
+            `rlhf.cli.main.main` called again, imports nothing: the phase is 0).
     """
 
     def __init__(self, *, since_process_start: bool = True) -> None:
@@ -39,7 +44,8 @@ class Stopwatch:
         self.phases: dict[str, float] = {}
         self.roles: dict[str, float] = {}
         if since_process_start:
-            self.phases["imports"] = _process_age_s()
+            self.phases["imports"] = 0.0 if _imports_counted else _process_age_s()
+            _imports_counted.append(True)
 
     def lap(self, phase: str) -> float:
         """End ``phase`` now (it began where the previous one ended); returns its seconds."""

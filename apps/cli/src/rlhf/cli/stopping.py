@@ -90,12 +90,16 @@ def claim_signals() -> None:
 def shutdown_ray() -> bool:
     """``ray.shutdown()`` when this process imported Ray and is connected to it; whether it
     was. A cluster still starting (`rlhf.cli.cluster.start_ray_early`) is waited for first,
-    so that it is shut down too."""
+    so that it is shut down too. Inside `rlhf.cli.warm.keep_roles_warm` the connection stays:
+    the roles kept for the next run live as long as it does."""
     cluster = sys.modules.get("rlhf.cli.cluster")
     if cluster is not None:
         cluster.settle_early_start()
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
+        return False
+    warm = sys.modules.get("rlhf.cli.warm")
+    if warm is not None and warm.warm_roles() is not None:
         return False
     ray.shutdown()
     return True

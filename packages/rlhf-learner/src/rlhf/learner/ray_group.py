@@ -15,7 +15,9 @@ same arguments and runs it on every rank. Ray is imported when a group is create
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -64,6 +66,9 @@ class RankWorker:
         )
         self.rank = rank
         self.backend: Any = None
+        # `kill -USR1 <pid>` (the pids are in a run's placement.json) writes every thread's
+        # stack to this actor's Ray log: where a rank waits, e.g. in a collective a peer left.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def build(self, config: LearnerConfig, backend: BackendFactory) -> dict[str, list[int]]:
         """(Re)build the role's backend with the factory; returns the model's fingerprint."""

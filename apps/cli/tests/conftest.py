@@ -72,6 +72,9 @@ class SharedCluster:
             self.proc = subprocess.Popen(
                 [str(ray_cli), "start", "--head", "--block", "--port", str(port),
                  "--num-cpus", str(self.CPUS), "--include-dashboard", "false",
+                 # Not Ray's fixed default (52365): a cluster a test starts beside this one
+                 # (tests/test_cluster.py's, with `ray job submit`) needs it for its job agent.
+                 "--dashboard-agent-listen-port", str(free_port()),
                  "--disable-usage-stats"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 # A loopback test cluster: no token (Ray's `ray start` asks for one by default).

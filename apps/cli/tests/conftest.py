@@ -61,6 +61,7 @@ class SharedCluster:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.failed = ""  # why it did not start: every later test fails at once with it
         self.log = pathlib.Path(tempfile.gettempdir()) / f"rlhf-tests-ray-head-{os.getpid()}.log"
 
     def start(self) -> str:
@@ -84,10 +85,10 @@ class SharedCluster:
         while not _answers(port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the tests' Ray head did not start:\n{self.log.read_text()}")
+                self.failed = f"the tests' Ray head did not start:\n{self.log.read_text()}"
+                pytest.fail(self.failed, pytrace=False)
             time.sleep(0.2)
         self.address = f"127.0.0.1:{port}"
-        os.environ["RAY_ADDRESS"] = self.address
         return self.address
 
     def check_alive(self) -> None:
@@ -136,8 +137,10 @@ _warm: list[contextlib.ExitStack] = []
 
 def shared_cluster() -> str:
     """The shared cluster's address (started on first use); fails the test if it died."""
+    if _cluster.failed:
+        pytest.fail(_cluster.failed, pytrace=False)
     if _cluster.proc is None:
-        _cluster.start()
+        os.environ["RAY_ADDRESS"] = _cluster.start()
     _cluster.check_alive()
     return _cluster.address
 

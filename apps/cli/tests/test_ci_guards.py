@@ -1,16 +1,20 @@
-"""A test that hangs fails at its timeout instead of holding CI, and its report carries the
-stacks of the Ray actors it waits on (the root conftest.py): here a learner rank stuck in a
-call that never returns, as a rank stuck in a collective its peer left would be."""
+"""What keeps a broken test run from holding CI: a test that hangs fails at its timeout, and
+its report carries the stacks of the Ray actors it waits on (the root conftest.py), here a
+learner rank stuck in a call that never returns, as a rank stuck in a collective its peer left
+would be; a shared Ray cluster that died fails every later test at once, naming its log."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-from .conftest import shared_cluster
+import pytest
+
+from .conftest import SharedCluster, shared_cluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -100,3 +104,20 @@ def test_hanging_tests_fail_at_their_timeout_naming_themselves_with_every_stack(
     assert cases["test_a_loop_that_never_ends"].find("failure") is not None
     assert cases["test_after_the_loop"].find("failure") is None  # the run went on
     assert "test_after_the_rank" not in cases  # stopped
+
+
+def test_a_shared_cluster_that_died_fails_the_tests_naming_its_log() -> None:
+    cluster = SharedCluster()
+    cluster.start()
+    try:
+        cluster.check_alive()  # alive: nothing happens
+        os.killpg(cluster.proc.pid, signal.SIGKILL)  # the head and its processes
+        cluster.proc.wait(timeout=60)
+        with pytest.raises(pytest.fail.Exception) as failed:
+            cluster.check_alive()
+        message = str(failed.value)
+        assert f"the tests' shared Ray cluster ({cluster.address}) died" in message
+        assert str(cluster.log) in message
+    finally:
+        cluster.stop()
+    assert os.environ.get("RAY_ADDRESS") != cluster.address  # the test run's own is untouched

@@ -44,8 +44,28 @@ def test_readme_example_runs() -> None:
         timeout=600,
         env=env,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_a_single_process_group_made_here_is_left_before_interpreter_teardown() -> None:
+    # atexit runs its handlers last-registered first: the probe, registered before the group
+    # is made, runs after the backend's handler and must find the group destroyed.
+    code = (
+        "import atexit, torch\n"
+        "atexit.register(lambda: print('at exit initialized', torch.distributed.is_initialized()))\n"
+        "from rlhf.learner.deepspeed_backend import init_distributed\n"
+        "init_distributed()\n"
+        "print('made', torch.distributed.get_world_size())\n"
+    )
+    dist = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in dist}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    ours = [line for line in out.stdout.splitlines() if line.startswith(("made", "at exit"))]
+    assert ours == ["made 1", "at exit initialized False"], out.stdout
 
 
 def test_every_public_name_is_documented_in_the_readme() -> None:

@@ -35,6 +35,7 @@ import contextlib
 import functools
 import gc
 import math
+import os
 import pathlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -47,6 +48,7 @@ from rlhf.learner import rank as shared
 from rlhf.learner import state_codec
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
+from rlhf.learner.build_locks import naming_build_locks
 from rlhf.learner.config import LearnerConfig
 from rlhf.learner.context_parallel import check_group_size, shard_sequence
 from rlhf.learner.export import write_hf_export
@@ -62,6 +64,8 @@ from rlhf.learner.tensor_parallel import (
     write_saved_tp_size,
 )
 
+_BUILD_LOCK_NOTICE_S = float(os.environ.get("RLHF_BUILD_LOCK_NOTICE_S", "120"))
+
 
 def init_distributed() -> None:
     """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or make a
@@ -70,9 +74,13 @@ def init_distributed() -> None:
 
     if torch.distributed.is_initialized():
         return
-    shared.default_process_env()
+    alone = shared.default_process_env()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    # On CPU this compiles DeepSpeed's shared-memory op on first use, behind a lock file.
+    with naming_build_locks(after_s=_BUILD_LOCK_NOTICE_S):
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    if alone:
+        shared.leave_group_at_exit()
 
 
 def ds_config(config: LearnerConfig) -> dict[str, Any]:

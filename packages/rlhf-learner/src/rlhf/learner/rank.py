@@ -1,7 +1,7 @@
 """What every backend's rank does the same way, whatever shards its model (DeepSpeed, FSDP2).
 
 - the process: `default_process_env` (a single-process group when no launcher set one),
-  `rank_device`, `allocated_gib`;
+  `leave_group_at_exit`, `rank_device`, `allocated_gib`;
 - the passes: `most_passes` (every rank runs as many forwards/backwards as the busiest one),
   `train_passes` (weighted micro-batches, weight-0 padding passes, the metrics a driver merges)
   and `forward_passes` (results on the CPU, padding passes dropped);
@@ -15,6 +15,7 @@ whole parameter is gathered; those come in as callables.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -34,16 +35,40 @@ from rlhf.weights.ports import free_port
 NamedParams = Iterable[tuple[str, torch.nn.Parameter]]
 
 
-def default_process_env() -> None:
-    """Describe a single-process group (rank 0 of 1 on a free local port) unless RANK is set."""
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-        )
+def default_process_env() -> bool:
+    """Describe a single-process group (rank 0 of 1 on a free local port) unless RANK is set;
+    True when it did."""
+    if "RANK" in os.environ:
+        return False
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    return True
+
+
+def leave_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits (once per process).
+
+    A group left for interpreter teardown is destroyed while its store and worker threads are
+    torn down around it; that can abort the process ("terminate called without an active
+    exception", exit -6) after its work finished. The backends call it for the single-process
+    group they make themselves (a launcher's ranks leave their group as the launcher decides)."""
+    global _LEAVING
+    if not _LEAVING:
+        _LEAVING = True
+        atexit.register(_leave_group)
+
+
+_LEAVING = False
+
+
+def _leave_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def rank_device() -> torch.device:

@@ -70,8 +70,10 @@ def init_distributed() -> None:
     single-process one when none is set (gloo on CPU, NCCL on GPUs)."""
     if torch.distributed.is_initialized():
         return
-    shared.default_process_env()
+    alone = shared.default_process_env()
     torch.distributed.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    if alone:
+        shared.leave_group_at_exit()
 
 
 def _local(tensor: Tensor) -> Tensor:

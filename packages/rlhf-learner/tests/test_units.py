@@ -46,6 +46,19 @@ def test_schedule_by_hand() -> None:
         OptimizerConfig(schedule="step")
 
 
+def test_warmup_ratio_by_hand() -> None:
+    # ceil(0.03 · 100) = 3 warmup steps: (s + 1) / 3; then cosine over 97 steps to 0.1.
+    f = lr_lambda(OptimizerConfig(lr=1.0, warmup_ratio=0.03, total_steps=100, min_lr_ratio=0.1))
+    assert [f(s) for s in range(3)] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert f(3) == 1.0 and f(100) == pytest.approx(0.1)
+    # ceil(0.25 · 10) = 3, not round(2.5) = 2.
+    assert lr_lambda(OptimizerConfig(lr=1.0, warmup_ratio=0.25, total_steps=10))(1) == 2 / 3
+    with pytest.raises(ValueError, match="give one"):
+        OptimizerConfig(warmup_steps=2, warmup_ratio=0.1)
+    with pytest.raises(ValueError, match="warmup_ratio"):
+        OptimizerConfig(warmup_ratio=1.5)
+
+
 def test_no_weight_decay_on_biases_and_norms(tiny) -> None:
     model = load_model(ModelConfig(path=str(tiny)))
     decay, no_decay = param_groups(model, 0.1)

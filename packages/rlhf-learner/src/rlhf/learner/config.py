@@ -78,6 +78,9 @@ class OptimizerConfig:
         lr: Peak learning rate.
         min_lr_ratio: Floor of the schedule as a fraction of ``lr``.
         warmup_steps: Linear warmup from 0 over this many optimizer steps.
+        warmup_ratio: Warmup as a fraction of ``total_steps`` (OpenRLHF's
+            ``--lr_warmup_ratio``): ``ceil(warmup_ratio · total_steps)`` steps; 0 uses
+            ``warmup_steps``. Give one of the two.
         schedule: ``cosine``, ``linear`` or ``constant`` after warmup.
         total_steps: Optimizer steps the schedule spans (decay ends there).
         weight_decay: Decoupled weight decay; never applied to biases and norm weights.
@@ -92,6 +95,7 @@ class OptimizerConfig:
     lr: float = 1e-6
     min_lr_ratio: float = 0.1
     warmup_steps: int = 0
+    warmup_ratio: float = 0.0
     schedule: str = "cosine"
     total_steps: int = 1000
     weight_decay: float = 0.0
@@ -110,6 +114,12 @@ class OptimizerConfig:
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(
                 f"optimizer.schedule must be cosine, linear or constant, got {self.schedule!r}"
+            )
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"optimizer.warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        if self.warmup_ratio and self.warmup_steps:
+            raise ValueError(
+                "optimizer.warmup_steps and optimizer.warmup_ratio are both set: give one"
             )
         if self.warmup_steps < 0 or self.total_steps < 1:
             raise ValueError("optimizer.warmup_steps must be >= 0 and optimizer.total_steps >= 1")

@@ -28,11 +28,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def lr_lambda(config: OptimizerConfig) -> Callable[[int], float]:
     """Multiplier of ``config.lr`` at optimizer step ``s`` (0-based, before the step).
 
-    Linear warmup ``(s + 1) / warmup_steps`` for ``s < warmup_steps``, then from 1 down to
+    Linear warmup ``(s + 1) / warmup`` for ``s < warmup`` (``warmup_steps``, or
+    ``ceil(warmup_ratio · total_steps)``), then from 1 down to
     ``min_lr_ratio`` at ``total_steps`` (cosine: ``r + (1 − r)(1 + cos(π p)) / 2``; linear:
     ``1 − (1 − r) p``; constant: 1), with ``p`` the fraction of the decay done, capped at 1.
     """
-    warmup, total, floor = config.warmup_steps, config.total_steps, config.min_lr_ratio
+    total, floor = config.total_steps, config.min_lr_ratio
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)
 
     def at(step: int) -> float:
         if step < warmup:

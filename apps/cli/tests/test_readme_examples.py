@@ -44,23 +44,20 @@ def _commands() -> list[tuple[str, list[str]]]:
 
 
 def _config(words: list[str]):
-    """The config the command line parses into (tyro: unknown flags and bad values fail)."""
+    """The config the command line parses into, as the command parses it (OpenRLHF's flags
+    read too; tyro: unknown flags and bad values fail)."""
     from rlhf.cli.demo import DemoConfig
-    from rlhf.cli.main import _parse
-    from rlhf.cli.preference import PreferenceConfig
-    from rlhf.cli.presets import resolve
-    from rlhf.cli.serve_rm import ServeRMConfig
-    from rlhf.cli.sft import SFTConfig
+    from rlhf.cli.main import _parse, parse_rl, parse_serve_rm, parse_trainer
 
     command, rest = words[1], [w for w in words[2:] if w != "..."]
     if command == "train":
         kind, flags = rest[0], rest[1:]
-        default = {"sft": SFTConfig(), "rm": PreferenceConfig(), "dpo": PreferenceConfig()}.get(
-            kind
-        ) or resolve(kind)
-        return _parse(type(default), flags, default, "rlhf train")
-    classes = {"demo": DemoConfig, "serve-rm": ServeRMConfig}
-    return _parse(classes[command], rest, classes[command](), f"rlhf {command}")
+        if kind in ("sft", "rm", "dpo"):
+            return parse_trainer(kind, flags)
+        return parse_rl(kind, flags)
+    if command == "serve-rm":
+        return parse_serve_rm(rest)
+    return _parse(DemoConfig, rest, DemoConfig(), f"rlhf {command}")
 
 
 @pytest.mark.parametrize(("where", "words"), _commands(), ids=[w for w, _ in _commands()])
@@ -81,6 +78,7 @@ def test_the_commands_are_found() -> None:
     """The reader above sees the commands (a changed fence or prompt would hide them)."""
     where = [w for w, _ in _commands()]
     assert "README.md: rlhf train grpo" in where  # the root README's 1.5B command
+    assert "README.md: rlhf train ppo" in where  # its OpenRLHF command line
     for kind in ("sft", "rm", "dpo", "ppo"):
         assert f"apps/cli/README.md: rlhf train {kind}" in where
 

@@ -27,6 +27,13 @@ FLAG_ALIASES: dict[str, str] = {
 in its field's section."""
 
 
+def is_reward_file(remote_url: str) -> bool:
+    """``--reward.remote_url`` names a Python reward file (OpenRLHF's use of the flag), not
+    servers: it ends in ``.py`` and is not an http(s) URL."""
+    text = remote_url.strip()
+    return text.endswith(".py") and not text.startswith(("http://", "https://"))
+
+
 def canonical_flag(dotted: str) -> str:
     """The field ``dotted`` (a flag's name without ``--``) sets: itself, or its alias's field."""
     return FLAG_ALIASES.get(dotted, dotted)
@@ -241,6 +248,8 @@ class TrainConfig:
 
     Attributes:
         num_steps: RL steps (rollout + update + sync).
+        num_episodes: Passes over the prompts (OpenRLHF's ``--train.num_episodes``); > 0 sets
+            ``num_steps`` to ``num_episodes · (prompts // rollout.batch_size)`` (at least 1).
         batch_size: Sequences per optimizer step (OpenRLHF's ``train_batch_size``); 0 uses
             the whole rollout batch for one step.
         ppo_epochs: Passes over each rollout batch.
@@ -318,6 +327,7 @@ class TrainConfig:
     """
 
     num_steps: int = 100
+    num_episodes: int = 0
     batch_size: int = 0
     ppo_epochs: int = 1
     micro_batch_size: int = 8
@@ -364,7 +374,8 @@ class RewardConfig:
             file defining ``reward_func(queries, prompts, labels, **kw)``. Empty:
             ``--train.reward_func`` (default ``builtin:exact_match``).
         remote_url: HTTP reward servers (OpenRLHF wire format), comma-separated, instead of a
-            function. Empty: ``--train.remote_url``.
+            function; or, as in OpenRLHF, one ``.py`` reward file (then it is the reward
+            function, like ``reward_func``). Empty: ``--train.remote_url``.
         timeout_s: Deadline of one reward-function call or one server request; past it, the
             failure policy applies (a function that never returns cannot stall the run).
         retries: Retries of a failed server request after the first attempt.
@@ -543,9 +554,10 @@ class RLConfig:
         """``--reward.*`` with the older ``--train.reward_func`` / ``--train.remote_url``
         spellings filled in where the new ones are unset."""
         r, t = self.reward, self.train
-        return dataclasses.replace(
-            r, reward_func=r.reward_func or t.reward_func, remote_url=r.remote_url or t.remote_url
-        )
+        remote = r.remote_url or t.remote_url
+        if is_reward_file(remote):  # OpenRLHF's --reward.remote_url reward.py
+            return dataclasses.replace(r, reward_func=remote.strip(), remote_url="")
+        return dataclasses.replace(r, reward_func=r.reward_func or t.reward_func, remote_url=remote)
 
     @property
     def uses_reference(self) -> bool:

@@ -189,6 +189,16 @@ def load_prompts(spec: str, config: DataConfig, tokenizer: Any) -> dict[str, lis
     return out
 
 
+def count_rows(spec: str, *, max_samples: int | None = None) -> int:
+    """Rows of the comma-separated sources ``spec`` (each ``path`` or ``name=path``), each
+    source cut at ``max_samples``: what `load_prompts` would load."""
+    return sum(
+        len(read_rows(item.rpartition("=")[2].strip())[:max_samples])
+        for item in spec.split(",")
+        if item.strip()
+    )
+
+
 class PromptSampler:
     """Prompts in shuffled epochs, blended across sources by probability; its state is a few
     integers, so a resumed run sees the same prompts in the same order.

@@ -27,10 +27,22 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def _parse(cls: type[T], args: Sequence[str], default: T, prog: str) -> T:
+def _parse(cls: type[T], args: Sequence[str], default: T, prog: str, *, epilog: str = "") -> T:
+    """``args`` parsed into ``cls`` over ``default``: bare boolean switches given True
+    (`rlhf.cli.switches`), aliases resolved, ``--config`` loaded under the flags. ``--help``
+    prints ``epilog`` after the flags."""
     import tyro
 
-    args = [_canonical_arg(a) for a in args]
+    if epilog and ("--help" in args or "-h" in args):
+        try:
+            tyro.cli(cls, args=["--help"], default=default, prog=prog, use_underscores=True,
+                     config=(tyro.conf.FlagConversionOff,))  # fmt: skip
+        finally:
+            print(epilog)
+
+    from rlhf.cli.switches import bare_switches
+
+    args = bare_switches([_canonical_arg(a) for a in args], cls=cls, extra_values=("auto",))
     if "--config" in args:
         i = args.index("--config")
         path = args[i + 1] if i + 1 < len(args) else ""
@@ -43,7 +55,8 @@ def _parse(cls: type[T], args: Sequence[str], default: T, prog: str) -> T:
         args=args,
         default=default,
         prog=prog,
-        # OpenRLHF's spelling: --rollout.n_samples_per_prompt; booleans take a value.
+        # OpenRLHF's spelling: --rollout.n_samples_per_prompt; a bare boolean was given its
+        # True above, so tyro's own --flag/--no-flag pairs stay off.
         use_underscores=True,
         config=(tyro.conf.FlagConversionOff,),
     )
@@ -143,9 +156,9 @@ def _command(command: str, rest: list[str], args: list[str], *, debug: bool) -> 
         elif command == "train":
             return _train(rest)
         elif command == "serve-rm":
-            from rlhf.cli.serve_rm import ServeRMConfig, serve_rm
+            from rlhf.cli.serve_rm import serve_rm
 
-            serve_rm(_parse(ServeRMConfig, rest, ServeRMConfig(), "rlhf serve-rm"))
+            serve_rm(parse_serve_rm(rest))
         elif command == "config" and rest[:1] == ["show"] and len(rest) == 2:
             from rlhf.cli.presets import resolve
 
@@ -188,7 +201,7 @@ def _message(exc: BaseException) -> str:
 
 
 def _train(rest: list[str]) -> int:
-    from rlhf.cli.presets import PRESETS, resolve
+    from rlhf.cli.presets import PRESETS
 
     if not rest or rest[0] in ("-h", "--help"):
         print(f"usage: rlhf train {{{','.join(sorted(PRESETS))},sft,rm,dpo}} [flags]")
@@ -197,9 +210,9 @@ def _train(rest: list[str]) -> int:
     from rlhf.cli import dry_run
 
     if algo == "sft":
-        from rlhf.cli.sft import SFTConfig, run_sft
+        from rlhf.cli.sft import run_sft
 
-        sft = _parse(SFTConfig, flags, SFTConfig(), "rlhf train sft")
+        sft = parse_trainer("sft", flags)
         if sft.dry_run:
             plan = dry_run.single_role_plan(
                 sft.validate().model, plan=sft.plan, label="model",
@@ -209,10 +222,9 @@ def _train(rest: list[str]) -> int:
         run_sft(sft)
         return 0
     if algo in ("rm", "dpo"):
-        from rlhf.cli.preference import PreferenceConfig, run_preference
+        from rlhf.cli.preference import run_preference
 
-        default = PreferenceConfig(run_dir=f"runs/{algo}")
-        parsed = _parse(PreferenceConfig, flags, default, f"rlhf train {algo}")
+        parsed = parse_trainer(algo, flags)
         if parsed.dry_run:
             plan = dry_run.single_role_plan(
                 parsed.validate().model, plan=parsed.plan, label="model",
@@ -221,18 +233,78 @@ def _train(rest: list[str]) -> int:
             return dry_run.show(*plan)
         run_preference(parsed, kind=algo)
         return 0
-    from rlhf.cli.config import RLConfig
-    from rlhf.cli.presets import follow_generation_budget
     from rlhf.cli.rl import run_rl
     from rlhf.cli.startup import Stopwatch
 
     watch = Stopwatch()  # from the interpreter's start: imports and parsing count
-    config = _parse(RLConfig, flags, resolve(algo), f"rlhf train {algo}")
-    config = follow_generation_budget(config, given=given_names(flags))
+    config = parse_rl(algo, flags)
     if config.dry_run:
         return dry_run.show(*dry_run.capacity_plan(config.validate()))
     run_rl(config.validate(), stopwatch=watch)
     return 0
+
+
+def parse_rl(preset: str, flags: Sequence[str]) -> Any:
+    """The `RLConfig` of ``rlhf train <preset> <flags>`` (OpenRLHF's ``train_ppo_ray`` flags
+    read too), before validation."""
+    from rlhf.cli.config import RLConfig
+    from rlhf.cli.openrlhf import check_ranks, openrlhf_help
+    from rlhf.cli.presets import follow_generation_budget, resolve
+
+    translated = _openrlhf(flags, entry_point="train_ppo_ray", cls=RLConfig)
+    config = _parse(
+        RLConfig, translated.args, resolve(preset), f"rlhf train {preset}",
+        epilog=openrlhf_help("train_ppo_ray"),
+    )  # fmt: skip
+    config = follow_generation_budget(config, given=given_names(translated.args))
+    if translated.follow_ranks:
+        critic = config.critic.num_ranks if config.uses_critic else None
+        check_ranks(translated.follow_ranks, actor=config.actor.num_ranks, critic=critic)
+    return config
+
+
+def parse_trainer(kind: str, flags: Sequence[str]) -> Any:
+    """The config of ``rlhf train sft|rm|dpo <flags>`` (OpenRLHF's ``train_sft`` /
+    ``train_rm`` / ``train_dpo`` flags read too), before validation."""
+    from rlhf.cli.openrlhf import openrlhf_help
+    from rlhf.cli.preference import PreferenceConfig
+    from rlhf.cli.sft import SFTConfig
+
+    entry_point = f"train_{kind}"
+    default: Any = SFTConfig() if kind == "sft" else PreferenceConfig(run_dir=f"runs/{kind}")
+    translated = _openrlhf(flags, entry_point=entry_point, cls=type(default))
+    prog, epilog = f"rlhf train {kind}", openrlhf_help(entry_point)
+    return _parse(type(default), translated.args, default, prog, epilog=epilog)
+
+
+def parse_serve_rm(flags: Sequence[str]) -> Any:
+    """The config of ``rlhf serve-rm <flags>`` (OpenRLHF's ``serve_rm`` flags read too)."""
+    from rlhf.cli.openrlhf import openrlhf_help
+    from rlhf.cli.serve_rm import ServeRMConfig
+
+    translated = _openrlhf(flags, entry_point="serve_rm", cls=ServeRMConfig)
+    return _parse(
+        ServeRMConfig, translated.args, ServeRMConfig(), "rlhf serve-rm",
+        epilog=openrlhf_help("serve_rm"),
+    )  # fmt: skip
+
+
+def _openrlhf(args: Sequence[str], *, entry_point: str, cls: type) -> Any:
+    """``args`` with OpenRLHF's flags of ``entry_point`` in our spelling (`rlhf.cli.openrlhf`);
+    the notices they earned printed. A flag that is neither ours (a field of ``cls`` or one of
+    its aliases) nor OpenRLHF's is a `ConfigError` naming the nearest spellings of both."""
+    from rlhf.cli.config import FLAG_ALIASES, raise_problems
+    from rlhf.cli.openrlhf import translate, unknown_flag_problems
+    from rlhf.cli.switches import field_flags
+
+    ours = field_flags(cls) | frozenset(FLAG_ALIASES)
+    if not any(":" in a and not a.startswith("-") for a in args):  # no tyro subcommand token
+        problems = unknown_flag_problems(args, entry_point=entry_point, ours=ours)
+        raise_problems(problems, where="the flags")
+    translated = translate(args, entry_point=entry_point)
+    for notice in translated.notices:
+        print(f"rlhf: note: {notice}", file=sys.stderr)
+    return translated
 
 
 if __name__ == "__main__":

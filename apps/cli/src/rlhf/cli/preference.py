@@ -41,6 +41,7 @@ from rlhf.cli.trainer_state import (
     open_trainer_sinks,
     rows_crc32,
     saves_at,
+    steps_of_epochs,
     trainer_state,
 )
 
@@ -67,6 +68,10 @@ class PreferenceConfig:
         batch_size: Pairs per optimizer step.
         micro_batch_size: Pairs per forward/backward.
         num_steps: Optimizer steps.
+        max_samples: Use at most this many pairs of the dataset (OpenRLHF's
+            ``--data.max_samples``); None: all.
+        num_epochs: Passes over the dataset (OpenRLHF's ``--train.max_epochs``); > 0 sets
+            ``num_steps`` to ``ceil(num_epochs · rows / batch_size)``.
         beta: DPO's β.
         loss_type: RM: sigmoid or log_exp; DPO: sigmoid (dpo) or ipo.
         label_smoothing: cDPO's ε in [0, 0.5) (DPO's sigmoid loss only).
@@ -104,6 +109,8 @@ class PreferenceConfig:
     batch_size: int = 16
     micro_batch_size: int = 8
     num_steps: int = 100
+    num_epochs: int = 0
+    max_samples: int | None = None
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
@@ -128,6 +135,8 @@ class PreferenceConfig:
             raise ConfigError("--dataset is required")
         if self.plan.problems():
             raise ConfigError("; ".join(self.plan.problems()))
+        if self.num_epochs < 0:
+            raise ConfigError(f"--num_epochs must be >= 0, got {self.num_epochs}")
         if min(self.batch_size, self.micro_batch_size, self.num_steps) < 1:
             raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
         if self.ckpt.save_steps < 0:
@@ -204,7 +213,7 @@ def load_pairs(
     of its rows (a `DataError` names a row whose margin is not a finite number)."""
     from rlhf.learner import DataError, collate, preference_row
 
-    rows = read_rows(path)
+    rows = read_rows(path)[: config.max_samples]
     pairs = [
         preference_row(
             row,
@@ -306,6 +315,7 @@ def run_preference(
     if kind not in ("rm", "dpo"):
         raise ValueError(f"kind must be rm or dpo, got {kind!r}")
     config = config.validate()
+    config = dataclasses.replace(config, num_steps=steps_of_epochs(config, echo=echo), num_epochs=0)
     problems = config.loss_problems(kind)
     if problems:
         raise ConfigError("; ".join(problems))

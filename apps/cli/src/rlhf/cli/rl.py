@@ -55,6 +55,25 @@ from rlhf.learner import MicroBatching, make_experience, ppo_update
 from rlhf.rollout import EngineDiedError
 
 
+def steps_of_episodes(config: RLConfig, *, echo: Callable[[str], None] = print) -> RLConfig:
+    """``config`` with ``--train.num_episodes E`` (> 0) turned into ``--train.num_steps``:
+    ``E · (prompts // --rollout.batch_size)`` (at least 1), counted over the prompt sources
+    as they load (``--data.max_samples`` each); the plan line says so."""
+    episodes = config.train.num_episodes
+    if not episodes:
+        return config
+    from rlhf.cli.data import count_rows
+
+    prompts = count_rows(config.data.prompt_data, max_samples=config.data.max_samples)
+    steps = max(1, episodes * (prompts // config.rollout.batch_size))
+    echo(
+        f"[plan] --train.num_episodes {episodes}: {prompts} prompts / --rollout.batch_size "
+        f"{config.rollout.batch_size} -> {steps} steps"
+    )
+    train = dataclasses.replace(config.train, num_steps=steps, num_episodes=0)
+    return dataclasses.replace(config, train=train)
+
+
 def run_rl(
     config: RLConfig,
     *,
@@ -68,7 +87,7 @@ def run_rl(
     from rlhf.learner import check_model_dir
 
     watch = stopwatch or Stopwatch(since_process_start=False)
-    config = config.validate().with_absolute_paths()
+    config = steps_of_episodes(config.validate().with_absolute_paths(), echo=echo)
     for path in config.model_dirs():
         check_model_dir(path)
     # Ray's processes start while this one imports and reads the tokenizer and prompts.

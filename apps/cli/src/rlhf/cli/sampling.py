@@ -89,10 +89,27 @@ def agent_module(path: str) -> Any:
         module = load_module(path, purpose="--train.agent_func_path")
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(str(exc)) from exc
-    if not hasattr(module, "Environment") and not callable(getattr(module, "agent", None)):
+    from rlhf.agents.openrlhf import is_agent_executor
+
+    executor = getattr(module, "AgentExecutor", None)
+    if executor is not None and not is_agent_executor(executor):
         raise ConfigError(
-            f"--train.agent_func_path {path!r} defines neither an `Environment` class "
-            "(multi-turn environment) nor an `agent` function (OpenAI-client agent)"
+            f"--train.agent_func_path {path!r}: its AgentExecutor does not subclass "
+            "AgentExecutorBase; an OpenRLHF agent file imports it (and AgentInstanceBase, "
+            "MultiTurnAgentExecutor) from rlhf.agents.openrlhf instead of openrlhf.utils.agent"
+        )
+    shapes = (
+        hasattr(module, "Environment"),
+        callable(getattr(module, "agent", None)),
+        executor is not None,
+    )
+    if not any(shapes):
+        raise ConfigError(
+            f"--train.agent_func_path {path!r} defines none of the accepted shapes: an "
+            "`Environment` class (multi-turn environment: reset(prompt, label), step(action)), "
+            "an `agent` function (OpenAI-client agent), or OpenRLHF's `AgentExecutor` class "
+            "(an AgentExecutorBase, usually MultiTurnAgentExecutor over an AgentInstanceBase; "
+            "import them from rlhf.agents.openrlhf)"
         )
     return module
 
@@ -170,6 +187,18 @@ class Executors:
             "sampling": self._sampling(self.rollout.temperature),
             "max_len": self.rollout.max_len,
         }
+        if hasattr(module, "AgentExecutor") and not hasattr(module, "Environment"):
+            from rlhf.agents.openrlhf import OpenRLHFAgentRunner
+
+            return OpenRLHFAgentRunner(
+                executor=module.AgentExecutor(),
+                source=f"AgentExecutor in {path}",
+                policy=FailurePolicy(
+                    on_failure=self.agent_policy[0],  # type: ignore[arg-type]
+                    fallback_reward=self.agent_policy[1],
+                ),
+                **common,
+            )
         if hasattr(module, "Environment"):
             factory = EnvironmentFactory(
                 module.Environment, source=f"environment Environment in {path}"

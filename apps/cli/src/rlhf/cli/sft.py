@@ -31,6 +31,7 @@ from rlhf.cli.trainer_state import (
     open_trainer_sinks,
     rows_crc32,
     saves_at,
+    steps_of_epochs,
     trainer_state,
 )
 
@@ -52,6 +53,10 @@ class SFTConfig:
         batch_size: Rows per optimizer step.
         micro_batch_size: Rows per forward/backward.
         num_steps: Optimizer steps (rows are reshuffled every epoch).
+        max_samples: Use at most this many rows of the dataset (OpenRLHF's
+            ``--data.max_samples``); None: all.
+        num_epochs: Passes over the dataset (OpenRLHF's ``--train.max_epochs``); > 0 sets
+            ``num_steps`` to ``ceil(num_epochs · rows / batch_size)``.
         seed: Shuffling and initialisation seed.
         model: The model to train (``--model.model.path``) and its optimizer/engine.
         ckpt: Checkpoints under ``run_dir/checkpoints`` (``--ckpt.save_steps``, always after
@@ -83,6 +88,8 @@ class SFTConfig:
     batch_size: int = 32
     micro_batch_size: int = 8
     num_steps: int = 100
+    num_epochs: int = 0
+    max_samples: int | None = None
     seed: int = 42
     model: RoleConfig = field(default_factory=RoleConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
@@ -103,6 +110,8 @@ class SFTConfig:
             raise ConfigError("--dataset is required")
         if self.plan.problems():
             raise ConfigError("; ".join(self.plan.problems()))
+        if self.num_epochs < 0:
+            raise ConfigError(f"--num_epochs must be >= 0, got {self.num_epochs}")
         if self.batch_size < 1 or self.micro_batch_size < 1 or self.num_steps < 1:
             raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
         if self.ckpt.save_steps < 0:
@@ -140,6 +149,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     from rlhf.learner import SFTObjective, collate, sft_row
 
     config = config.validate()
+    config = dataclasses.replace(config, num_steps=steps_of_epochs(config, echo=echo), num_epochs=0)
     run_dir = pathlib.Path(config.run_dir)
     ckpt_root = run_dir / "checkpoints"
     resume = None
@@ -168,7 +178,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             pretrain=config.pretrain,
             max_len=config.max_len,
         )
-        for i, row in enumerate(read_rows(config.dataset))
+        for i, row in enumerate(read_rows(config.dataset)[: config.max_samples])
     ]
     order = RowOrder(len(rows), seed=config.seed)
     if resume is not None:

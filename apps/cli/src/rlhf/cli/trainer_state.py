@@ -28,6 +28,38 @@ from rlhf.cli.resume import ResumePoint, resume_point
 from rlhf.learner import CheckpointError
 
 SHAPE = ("batch_size",)
+
+
+class _Epochs(Protocol):
+    @property
+    def dataset(self) -> str: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def num_epochs(self) -> int: ...
+    @property
+    def num_steps(self) -> int: ...
+    @property
+    def max_samples(self) -> int | None: ...
+
+
+def steps_of_epochs(config: _Epochs, *, echo: Any = print) -> int:
+    """``--num_steps``, or with ``--num_epochs E`` (OpenRLHF's ``--train.max_epochs``)
+    ``ceil(E · rows / batch_size)`` over the dataset's rows (pairs for rm/dpo); the plan line
+    says which."""
+    if not config.num_epochs:
+        return config.num_steps
+    from rlhf.cli.data import read_rows
+
+    rows = len(read_rows(config.dataset)[: config.max_samples])
+    steps = max(1, -(-config.num_epochs * rows // config.batch_size))
+    echo(
+        f"[plan] --num_epochs {config.num_epochs}: {rows} rows / --batch_size "
+        f"{config.batch_size} -> {steps} steps"
+    )
+    return steps
+
+
 """The flags a checkpoint records (``trainer_state.json``'s ``shape``) and a resume must keep:
 ``batch_size`` sets which rows make a step and what the optimizer schedule counts.
 ``micro_batch_size`` is left out: the losses are normalised over the whole step, so it splits

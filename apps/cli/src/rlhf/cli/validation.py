@@ -17,6 +17,7 @@ from rlhf.cli.config import (
     WEIGHT_TRANSPORTS,
     RLConfig,
     TrainConfig,
+    is_reward_file,
 )
 from rlhf.cli.nodes import NodeSpec, NodeSpecError
 
@@ -39,6 +40,7 @@ def range_problems(config: RLConfig) -> list[str]:
         "--rollout.max_new_tokens": (r.max_new_tokens, 1),
         "--rollout.max_len": (r.max_len, 2),
         "--train.ppo_epochs": (t.ppo_epochs, 1),
+        "--train.num_episodes": (t.num_episodes, 0),
         "--train.batch_size": (t.batch_size, 0),
         "--train.max_tokens_per_micro_batch": (t.max_tokens_per_micro_batch, 0),
         "--eval.steps": (e.steps, 0),
@@ -84,6 +86,24 @@ def reward_problems(config: RLConfig) -> list[str]:
         ("reward_func", w.reward_func, t.reward_func, TrainConfig.reward_func),
         ("remote_url", w.remote_url, t.remote_url, TrainConfig.remote_url),
     )
+    remote = w.remote_url or t.remote_url
+    if is_reward_file(remote):
+        if "," in remote:
+            problems.append(
+                f"--reward.remote_url {remote!r}: one reward file (.py), or http(s) reward "
+                "servers comma-separated, not both or several files"
+            )
+        elif w.reward_func or t.reward_func != TrainConfig.reward_func:
+            problems.append(
+                f"--reward.remote_url {remote!r} is a reward file: it is the reward function, "
+                "so leave --reward.reward_func out"
+            )
+        else:
+            problems += reward_file_problems(remote.strip(), flag="--reward.remote_url")
+    else:
+        func = w.reward_func or t.reward_func
+        if func and not func.startswith("builtin:"):
+            problems += reward_file_problems(func, flag="--reward.reward_func")
     for name, new, old, default in spellings:
         if new and old != default and new != old:
             problems.append(
@@ -91,6 +111,40 @@ def reward_problems(config: RLConfig) -> list[str]:
                 "disagree: set one"
             )
     return problems
+
+
+def reward_file_problems(path: str, *, flag: str) -> list[str]:
+    """What is wrong with the reward file ``path`` before anything starts, read without
+    running it: missing, not ``.py``, not valid Python, or without a top-level
+    ``reward_func``."""
+    import ast
+
+    file = pathlib.Path(path)
+    if file.suffix != ".py":
+        return [f"{flag} {path}: a reward file must be a .py file (or use builtin:<name>)"]
+    if not file.is_file():
+        return [f"{flag} {path}: no such file"]
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except (SyntaxError, ValueError) as exc:
+        line = getattr(exc, "lineno", None)
+        where = f" (line {line})" if line else ""
+        return [f"{flag} {path}: not valid Python{where}: {getattr(exc, 'msg', exc)}"]
+    defined: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            defined |= {alias.asname or alias.name for alias in node.names}
+    if "reward_func" not in defined:
+        return [
+            f"{flag} {path}: defines no reward_func; a reward file defines "
+            "reward_func(queries, prompts, labels, **kwargs) returning one reward per query "
+            "(or a dict with 'rewards')"
+        ]
+    return []
 
 
 def node_problems(config: RLConfig) -> list[str]:

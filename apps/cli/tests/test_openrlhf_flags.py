@@ -1,0 +1,523 @@
+"""OpenRLHF 0.11.2's flags read by ``rlhf`` (`rlhf.cli.openrlhf`) and bare boolean switches
+(`rlhf.cli.switches`): parsing only, no run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import types
+import typing
+from typing import Any
+
+import pytest
+
+from rlhf.cli import openrlhf
+from rlhf.cli.config import ConfigError, RLConfig
+from rlhf.cli.main import parse_rl, parse_serve_rm, parse_trainer
+from rlhf.cli.preference import PreferenceConfig
+from rlhf.cli.serve_rm import ServeRMConfig
+from rlhf.cli.sft import SFTConfig
+from rlhf.cli.switches import boolean_flags
+
+DATA = pathlib.Path(__file__).parent / "data" / "openrlhf_0.11.2_flags.json"
+OPENRLHF = json.loads(DATA.read_text())["entry_points"]
+README = pathlib.Path(__file__).parents[3] / "README.md"
+
+
+def field_of(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+PARSERS: dict[str, tuple[type, Any]] = {
+    "train_ppo_ray": (RLConfig, lambda flags: parse_rl("ppo", flags)),
+    "train_sft": (SFTConfig, lambda flags: parse_trainer("sft", flags)),
+    "train_rm": (PreferenceConfig, lambda flags: parse_trainer("rm", flags)),
+    "train_dpo": (PreferenceConfig, lambda flags: parse_trainer("dpo", flags)),
+    "serve_rm": (ServeRMConfig, parse_serve_rm),
+}
+"""OpenRLHF entry point → our config class and the parser of the command that reads it."""
+
+
+def field_type(dotted: str, cls: Any = RLConfig) -> Any:
+    kind: Any = None
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(cls)
+        kind = hints[part]
+        members = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+        cls = next((m for m in members if dataclasses.is_dataclass(m)), None)
+    return kind
+
+
+@pytest.mark.parametrize("entry_point", sorted(PARSERS))
+def test_the_table_holds_every_flag_of_each_entry_point_with_its_arity(entry_point: str) -> None:
+    table = openrlhf.TABLES[entry_point]
+    flags = OPENRLHF[entry_point]
+    assert sorted(table) == sorted(flags)
+    wrong = {
+        n: (table[n].arity, f["arity"]) for n, f in flags.items() if table[n].arity != f["arity"]
+    }
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("entry_point", sorted(PARSERS))
+def test_a_same_flag_is_our_field_and_every_alias_names_fields(entry_point: str) -> None:
+    ours = set(_dotted_fields(PARSERS[entry_point][0]))
+    for row in openrlhf.TABLES[entry_point].values():
+        if isinstance(row.entry, openrlhf.Same):
+            assert row.name in ours, row.name
+        if isinstance(row.entry, openrlhf.Alias):
+            missing = [f for f in row.entry.fields if f not in ours]
+            assert not missing, (row.name, missing)
+
+
+def _dotted_fields(cls: Any, prefix: str = "") -> list[str]:
+    names = []
+    for f in dataclasses.fields(cls):
+        kind = typing.get_type_hints(cls)[f.name]
+        members = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+        nested = [m for m in members if dataclasses.is_dataclass(m)]
+        names += _dotted_fields(nested[0], f"{prefix}{f.name}.") if nested else [prefix + f.name]
+    return names
+
+
+def _members(kind: Any) -> list[Any]:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(kind) if a is not type(None)]
+    return [kind]
+
+
+SAMPLES = {
+    "algo.policy_loss.dual_clip": ["3.0"],
+    "algo.policy_loss.name": ["gspo"],
+    "algo.loss_agg_mode": ["seq-mean-token-mean"],
+    "train.deepspeed_enable_sleep": ["True"],
+}
+"""Values of fields whose validation rules out the generic sample."""
+
+CONTEXT = {
+    "actor.deepspeed.deepcompile": ["--ds.param_dtype", "bf16"],
+    "model.deepspeed.deepcompile": ["--ds.param_dtype", "bf16"],
+}
+"""Flags a field's sample needs beside it (on both spellings)."""
+
+
+def _sample(dotted: str, cls: Any = RLConfig) -> list[str]:
+    """A valid value of our field ``dotted``."""
+    if dotted in SAMPLES:
+        return SAMPLES[dotted]
+    members = _members(field_type(dotted, cls))
+    if bool in members:
+        return ["True"]
+    if tuple in [typing.get_origin(m) for m in members]:
+        return ["0.125", "0.75"] if "float" in str(members) else ["q_proj", "v_proj"]
+    if int in members:
+        return ["3"]
+    if float in members:
+        return ["0.125"]
+    return ["/some/where"]
+
+
+PLAIN_ALIASES = [
+    (entry_point, row)
+    for entry_point, table in openrlhf.TABLES.items()
+    for row in table.values()
+    if isinstance(row.entry, openrlhf.Alias) and row.entry.fields and row.entry.values is None
+]
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "row"), PLAIN_ALIASES, ids=[f"{e}:{r.name}" for e, r in PLAIN_ALIASES]
+)
+def test_each_alias_parses_to_the_fields_it_claims(entry_point: str, row: openrlhf.Row) -> None:
+    cls, parse = PARSERS[entry_point]
+    fields = row.entry.fields
+    context = CONTEXT.get(fields[0], [])
+    if row.arity == "switch":  # bare means True; an explicit False reaches the field too
+        for theirs, value in (([], True), (["False"], False)):
+            parsed = parse([*context, f"--{row.name}", *theirs])
+            ours = parse([*context, *(t for f in fields for t in (f"--{f}", str(value)))])
+            assert parsed == ours and {field_of(parsed, f) for f in fields} == {value}
+        return
+    value = _sample(fields[0], cls)
+    theirs = parse([*context, f"--{row.name}", *value])
+    ours = parse([*context, *(t for f in fields for t in (f"--{f}", *value))])
+    assert theirs == ours
+    default = parse(context)
+    for target in fields:
+        assert field_of(theirs, target) != field_of(default, target), target
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            ["--ds.param_dtype", "bf16"],
+            {"actor.deepspeed.bf16": True, "critic.deepspeed.bf16": True},
+        ),
+        (["--vllm.sync_backend", "nccl"], {"train.weight_transport": "broadcast"}),
+        (["--vllm.sync_with_ray"], {"train.weight_transport": "object_store"}),
+        (["--data.prompt_probs", "0.25,0.75"], {"data.prompt_data_probs": (0.25, 0.75)}),
+        (["--actor.lr_scheduler", "cosine_with_min_lr"], {"actor.optimizer.schedule": "cosine"}),
+        (
+            ["--critic.lr_scheduler", "constant_with_warmup"],
+            {"critic.optimizer.schedule": "constant"},
+        ),
+        (["--ckpt.best_metric_key", "eval_math_pass1"], {"eval.best_metric": "eval/math/pass@1"}),
+        (
+            ["--actor.eps_clip_low_high", "0.2", "0.28"],
+            {"algo.policy_loss.clip_eps_low": 0.2, "algo.policy_loss.clip_eps_high": 0.28},
+        ),
+        (["--actor.num_nodes", "2", "--actor.num_gpus_per_node", "3"], {"actor.num_ranks": 6}),
+        (["--actor.num_nodes", "1"], {"actor.num_ranks": 8}),  # OpenRLHF's 8 GPUs per node
+        (["--critic.num_gpus_per_node", "2"], {"critic.num_ranks": 2}),
+        (["--train.enable_ema"], {"actor.optimizer.ema_decay": 0.992}),
+        (["--train.enable_ema", "--train.ema_beta", "0.9"], {"actor.optimizer.ema_decay": 0.9}),
+        (["--train.ema_beta", "0.9"], {"actor.optimizer.ema_decay": None}),
+        (
+            ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "4096"],
+            {"train.max_tokens_per_micro_batch": 4096},
+        ),
+        (["--train.dynamic_batch_enable"], {"train.max_tokens_per_micro_batch": 16192}),
+        (["--ds.zpg", "1", "--ds.value_head_prefix", "score"], {}),
+        (["--algo.advantage.is_correction_level", "off"], {"algo.rollout_correction": None}),
+        (
+            ["--ds.zero_stage", "1", "--ds.enable_sleep"],
+            {
+                "actor.deepspeed.zero_stage": 1,
+                "critic.deepspeed.zero_stage": 1,
+                "train.deepspeed_enable_sleep": True,
+            },
+        ),
+        (
+            ["--ds.zero_stage", "3", "--ds.enable_sleep"],
+            {"actor.deepspeed.zero_stage": 3, "train.deepspeed_enable_sleep": None},
+        ),
+        (["--train.num_episodes", "2"], {"train.num_episodes": 2}),
+    ],
+)
+def test_translated_values_reach_our_fields(flags: list[str], expected: dict[str, Any]) -> None:
+    config = parse_rl("ppo", flags)
+    assert {k: field_of(config, k) for k in expected} == expected
+
+
+def test_openrlhf_rollout_correction_is_ours_with_its_names() -> None:
+    config = parse_rl(
+        "grpo",
+        ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
+         "clip", "--algo.advantage.is_correction_threshold", "0.8", "2", "--train.num_steps", "3"],
+    )  # fmt: skip
+    correction = config.algo.rollout_correction
+    assert (correction.level, correction.mode, correction.threshold) == (
+        "sequence",
+        "truncate",
+        (0.8, 2.0),
+    )
+    assert config.train.num_steps == 3
+    # A single value is OpenRLHF's upper bound alone; the default mode is mask.
+    single = parse_rl("grpo", ["--algo.advantage.is_correction_level", "token",
+                               "--algo.advantage.is_correction_threshold", "4"])  # fmt: skip
+    correction = single.algo.rollout_correction
+    assert (correction.level, correction.mode, correction.threshold) == (
+        "token",
+        "mask",
+        (0.0, 4.0),
+    )
+
+
+def test_zero3_sleep_is_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    parse_rl("ppo", ["--ds.zero_stage", "3", "--ds.enable_sleep"])
+    assert "--ds.enable_sleep under --ds.zero_stage 3 is accepted and has no effect" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_flag_without_effect_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    plain = parse_rl("ppo", [])
+    noted = parse_rl("ppo", ["--local_rank", "3", "--logger.logging_steps", "10"])
+    assert noted == plain
+    err = capsys.readouterr().err
+    assert "--local_rank is accepted and has no effect here" in err
+    assert "--logger.logging_steps is accepted and has no effect here" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--actor.optim", "muon"], "issue 44"),
+        (["--actor.muon.lr", "0.02"], "Muon"),
+        (["--data.image_key", "images"], "issue 45"),
+        (["--ds.param_dtype", "fp16"], "accepted here: bf16"),
+        (["--algo.advantage.is_correction_gating", "binary_kl"], "binary_kl"),
+        (["--use_ms"], "--use_ms True"),
+        (["--ds.zpg", "8"], "ZeRO++"),
+        (["--ckpt.disable_ds"], "--ckpt.save_hf"),
+        (["--ref.num_nodes", "1", "--ref.num_gpus_per_node", "2"], "actor's 1 rank(s)"),
+    ],
+)
+def test_a_refused_flag_names_itself_and_what_to_use(flags: list[str], named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_rl("ppo", flags)
+    message = str(caught.value)
+    assert flags[0] in message and named in message, message
+
+
+def test_a_reference_rank_count_equal_to_the_actors_is_accepted() -> None:
+    flags = [
+        "--actor.num_gpus_per_node",
+        "2",
+        "--ref.num_gpus_per_node",
+        "2",
+        "--ref.num_nodes",
+        "1",
+    ]
+    assert parse_rl("ppo", flags).actor.num_ranks == 2
+
+
+BOOLEAN_CONTEXT = {
+    "actor.deepspeed.offload_params": ["--actor.deepspeed.zero_stage", "3"],
+    "critic.deepspeed.offload_params": ["--critic.deepspeed.zero_stage", "3"],
+    "actor.deepspeed.deepcompile": ["--actor.deepspeed.bf16", "True"],
+    "critic.deepspeed.deepcompile": ["--critic.deepspeed.bf16", "True"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(boolean_flags(RLConfig)))
+def test_every_boolean_field_takes_a_bare_switch_and_true_false(name: str) -> None:
+    context = BOOLEAN_CONTEXT.get(name, [])
+    bare = parse_rl("ppo", [*context, f"--{name}"])
+    assert bare == parse_rl("ppo", [*context, f"--{name}", "True"])
+    assert field_of(bare, name) is True
+    assert field_of(parse_rl("ppo", [*context, f"--{name}", "false"]), name) is False
+
+
+def test_a_bare_switch_before_another_flag_and_auto() -> None:
+    assert {"train.colocate_all", "ckpt.load_enable"} <= boolean_flags(RLConfig)
+    mixed = parse_rl(
+        "ppo", ["--train.colocate_all", "--train.num_steps", "5", "--ckpt.load_enable", "auto"]
+    )
+    assert (mixed.train.colocate_all, mixed.train.num_steps, mixed.ckpt.load_enable) == (
+        True, 5, "auto",
+    )  # fmt: skip
+    last = parse_rl("ppo", ["--train.num_steps", "5", "--train.async_enable"])
+    assert last.train.async_enable is True
+
+
+def test_openrlhf_documentation_switches_run_bare() -> None:
+    config = parse_rl(
+        "grpo",
+        ["--train.colocate_all", "--algo.dynamic_filtering_enable", "--ckpt.load_enable",
+         "--vllm.enable_sleep", "--ds.enable_sleep", "--ckpt.save_hf"],
+    )  # fmt: skip
+    assert config.train.colocate_all and config.algo.dynamic_filtering_enable
+    assert config.ckpt.load_enable is True
+    assert (
+        config.vllm.enable_sleep and config.train.deepspeed_enable_sleep and config.ckpt.export_hf
+    )
+    assert parse_rl("grpo", ["--train.async_enable"]).train.async_enable is True
+
+
+def test_async_with_colocate_all_colocates_the_learners_only(capsys) -> None:
+    config = parse_rl("grpo", ["--train.colocate_all", "--train.async_enable"])
+    assert (config.train.async_enable, config.train.colocate_all) == (True, False)
+    assert config.train.colocate_actor_ref is True
+    assert "colocates the learner models only, as in OpenRLHF" in capsys.readouterr().err
+
+
+def test_the_readme_migration_section_is_the_table() -> None:
+    text = README.read_text()
+    start, end = "<!-- openrlhf:flags -->\n", "<!-- /openrlhf:flags -->"
+    assert start in text and end in text
+    section = text.split(start, 1)[1].split(end, 1)[0]
+    assert section == openrlhf.migration_markdown()
+
+
+def _openrlhf_default_tokens(entry_point: str, row: openrlhf.Row) -> list[str] | None:
+    """OpenRLHF's default of ``row`` as command-line values (None: it has none to give)."""
+    default = OPENRLHF[entry_point][row.name]["default"]
+    if row.arity == "switch":
+        return [str(bool(default))] if default in (True, False, "") else None
+    if default is None or (isinstance(default, str) and "(" in default):
+        return None
+    values = default if isinstance(default, list) else [default]
+    return [str(v) for v in values]
+
+
+DEFAULTED = [
+    (entry_point, row)
+    for entry_point, table in openrlhf.TABLES.items()
+    for row in table.values()
+    if isinstance(row.entry, openrlhf.Same | openrlhf.Alias)
+    and not (isinstance(row.entry, openrlhf.Alias) and not row.entry.fields)
+    and _openrlhf_default_tokens(entry_point, row) is not None
+]
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "row"), DEFAULTED, ids=[f"{e}:{r.name}" for e, r in DEFAULTED]
+)
+def test_a_default_that_differs_from_openrlhfs_is_documented(
+    entry_point: str, row: openrlhf.Row
+) -> None:
+    parse = PARSERS[entry_point][1]
+    values = _openrlhf_default_tokens(entry_point, row)
+    assert values is not None
+    context = ["--ds.param_dtype", "bf16"] if row.name == "ds.deepcompile" else []
+    theirs = parse([*context, f"--{row.name}", *values])
+    if theirs != parse(context):
+        assert row.entry.default, f"--{row.name}: OpenRLHF's default {values} is not ours"
+
+
+def test_help_lists_each_openrlhf_flag_with_what_it_is(capsys: pytest.CaptureFixture[str]) -> None:
+    from rlhf.cli.main import main
+
+    with pytest.raises(SystemExit) as leaving:
+        main(["train", "grpo", "--help"])
+    assert leaving.value.code == 0
+    out = capsys.readouterr().out
+    assert "--train.num_steps" in out  # our own flags first
+    assert "  --actor.model_name_or_path  --actor.model.path\n" in out
+    assert (
+        "  --ds.adam_offload  --actor.deepspeed.offload_optimizer, --critic.deepspeed.offload_optimizer\n"
+        in out
+    )
+    assert "  --actor.muon.lr  refused: Muon is not built yet" in out
+    with pytest.raises(SystemExit):
+        main(["train", "dpo", "--help"])
+    assert "  --model.beta  --beta\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("kind", "flags", "expected"),
+    [
+        ("sft", ["--data.input_key", "q"], {"input_key": "q", "messages_key": None}),
+        ("sft", ["--data.multiturn", "--data.input_key", "chat"], {"messages_key": "chat"}),
+        ("sft", ["--model.pretrain_mode_enable"], {"pretrain": True}),
+        ("sft", ["--train.max_epochs", "2"], {"num_epochs": 2}),
+        ("rm", ["--model.margin_loss_enable"], {"margin_key": "margin"}),
+        ("rm", ["--model.loss_type", "logexp"], {"loss_type": "log_exp"}),
+        ("dpo", ["--model.ipo_enable", "--model.beta", "0.5"], {"loss_type": "ipo", "beta": 0.5}),
+        (
+            "dpo",
+            ["--model.model_name_or_path", "/m", "--ref.model_name_or_path", "/m"],
+            {"model.model.path": "/m"},
+        ),
+        ("dpo", ["--lr_warmup_ratio", "0.1"], {"model.optimizer.warmup_ratio": 0.1}),
+        ("rm", ["--ckpt.save_steps", "-1"], {"ckpt.save_steps": 0}),
+        (
+            "sft",
+            ["--ds.lora.target_modules", "q_proj", "v_proj"],
+            {"model.model.lora_target_modules": ("q_proj", "v_proj")},
+        ),
+    ],
+)
+def test_trainer_flags_reach_our_fields(
+    kind: str, flags: list[str], expected: dict[str, Any]
+) -> None:
+    config = parse_trainer(kind, flags)
+    assert {k: field_of(config, k) for k in expected} == expected
+
+
+def test_a_dpo_reference_other_than_the_initial_model_is_refused() -> None:
+    flags = ["--model.model_name_or_path", "/a", "--ref.model_name_or_path", "/b"]
+    with pytest.raises(ConfigError, match="--ref.model_name_or_path /b: the DPO reference"):
+        parse_trainer("dpo", flags)
+
+
+def test_serve_rm_flags_reach_our_fields() -> None:
+    config = parse_serve_rm(
+        ["--reward.model_name_or_path", "/rm", "--ds.param_dtype", "bf16", "--data.max_len", "77"]
+    )
+    assert (config.model_path, config.dtype, config.max_len) == ("/rm", "bfloat16", 77)
+    with pytest.raises(ConfigError, match="--ds.load_in_4bit True: 4-bit loading is not built"):
+        parse_serve_rm(["--ds.load_in_4bit"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [("tis", ("token", "truncate")), ("icepop", ("token", "mask")),
+     ("seq-mask-tis", ("geometric", "mask"))],
+)  # fmt: skip
+def test_openrlhf_0_11_0_correction_spellings_are_read(kind: str, expected: tuple) -> None:
+    config = parse_rl(
+        "grpo",
+        ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", kind,
+         "--algo.advantage.is_correction_threshold", "0.5", "2"],
+    )  # fmt: skip
+    correction = config.algo.rollout_correction
+    assert (correction.level, correction.mode, correction.threshold) == (*expected, (0.5, 2.0))
+    assert (
+        parse_rl("grpo", ["--algo.advantage.is_correction_type", "icepop"]).algo.rollout_correction
+        is None
+    )
+    with pytest.raises(ConfigError, match="use one spelling"):
+        parse_rl("grpo", ["--algo.advantage.is_correction_enable",
+                          "--algo.advantage.is_correction_level", "token"])  # fmt: skip
+
+
+def test_epochs_count_the_dataset_rows(tmp_path: pathlib.Path) -> None:
+    from rlhf.cli.trainer_state import steps_of_epochs
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"input": str(i), "output": "x"}) + "\n" for i in range(10)))
+    lines: list[str] = []
+    config = parse_trainer(
+        "sft", ["--train.max_epochs", "2", "--dataset", str(data), "--batch_size", "4"]
+    )
+    # 2 epochs × 10 rows / 4 rows per step = 5 steps; 3 rows per step would be ceil(20/3) = 7.
+    assert steps_of_epochs(config, echo=lines.append) == 5
+    assert lines == ["[plan] --num_epochs 2: 10 rows / --batch_size 4 -> 5 steps"]
+    assert steps_of_epochs(dataclasses.replace(config, batch_size=3), echo=lines.append) == 7
+    assert steps_of_epochs(dataclasses.replace(config, num_epochs=0), echo=lines.append) == 100
+    # --data.max_samples 6: 2 × 6 / 4 = 3 steps.
+    capped = parse_trainer("sft", ["--train.max_epochs", "2", "--dataset", str(data),
+                                   "--batch_size", "4", "--data.max_samples", "6"])  # fmt: skip
+    assert steps_of_epochs(capped, echo=lines.append) == 3
+
+
+def test_episodes_count_the_prompts(tmp_path: pathlib.Path) -> None:
+    from rlhf.cli.rl import steps_of_episodes
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"input": str(i), "label": "x"}) + "\n" for i in range(10)))
+    b.write_text("".join(json.dumps({"input": str(i), "label": "x"}) + "\n" for i in range(7)))
+    flags = ["--data.prompt_dataset", f"{a},{b}", "--rollout.batch_size", "4"]
+    lines: list[str] = []
+    # 2 episodes × (17 prompts // 4 per step) = 8 steps; with 5 per source: 2 × (10 // 4) = 4.
+    config = steps_of_episodes(
+        parse_rl("grpo", [*flags, "--train.num_episodes", "2"]), echo=lines.append
+    )
+    assert (config.train.num_steps, config.train.num_episodes) == (8, 0)
+    assert lines == [
+        "[plan] --train.num_episodes 2: 17 prompts / --rollout.batch_size 4 -> 8 steps"
+    ]
+    capped = parse_rl("grpo", [*flags, "--train.num_episodes", "2", "--data.max_samples", "5"])
+    assert steps_of_episodes(capped, echo=lines.append).train.num_steps == 4
+    assert steps_of_episodes(parse_rl("grpo", flags), echo=lines.append).train.num_steps == 100
+
+
+def test_an_unknown_flag_near_an_openrlhf_one_suggests_both_spellings() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_rl("ppo", ["--actor.model_name_or_pth", "/m"])
+    message = str(caught.value)
+    assert message.startswith("unknown flag --actor.model_name_or_pth; did you mean")
+    assert "--actor.model_name_or_path (OpenRLHF's: --actor.model.path)" in message
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown flag --rollout.n_sample_per_prompt; did you mean --rollout.n_samples_per_prompt",
+    ):
+        parse_rl("grpo", ["--rollout.n_sample_per_prompt", "4"])
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown flag --model.bta; did you mean --model.beta \(OpenRLHF's: --beta\)",
+    ):
+        parse_trainer("dpo", ["--model.bta", "0.1"])
+
+
+def test_the_estimator_on_rlhf_train_ppo_decides_the_critic_as_in_openrlhf() -> None:
+    assert parse_rl("ppo", []).uses_critic  # OpenRLHF's default estimator: gae
+    for estimator in ("group_norm", "reinforce", "reinforce_baseline", "rloo", "dr_grpo"):
+        config = parse_rl("ppo", ["--algo.advantage.estimator", estimator])
+        assert not config.uses_critic, estimator

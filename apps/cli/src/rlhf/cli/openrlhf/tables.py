@@ -1,0 +1,751 @@
+"""The rows: every flag of OpenRLHF 0.11.2's ``train_ppo_ray``, ``train_sft``, ``train_rm``,
+``train_dpo`` and ``serve_rm`` (`TABLES`), and what 0.11.0 spelled otherwise (`EARLIER`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from rlhf.cli.openrlhf.entries import (
+    DTYPE_BF16,
+    HEAD_STRIDE,
+    IMAGES,
+    MOE,
+    MUON,
+    NORMALIZE,
+    SCHEDULES,
+    Arity,
+    Entry,
+    Gathered,
+    Notice,
+    Refused,
+    Row,
+    Same,
+    alias,
+    all_linear,
+    best_metric,
+    comma_list,
+    never_at_minus_one,
+    off,
+    only,
+)
+
+
+def _roles(*suffixes: str, roles: Sequence[str] = ("actor", "critic")) -> tuple[str, ...]:
+    return tuple(f"{role}.{suffix}" for role in roles for suffix in suffixes)
+
+
+def _ppo_rows() -> list[Row]:
+    both = _roles
+    rows: list[Row] = []
+
+    def add(name: str, arity: Arity, entry: Entry) -> None:
+        rows.append(Row(name, arity, entry))
+
+    # Placement: OpenRLHF counts GPUs per node; a rank here is one process (one GPU on GPUs).
+    for role in ("actor", "critic", "ref", "reward"):
+        add(f"{role}.num_nodes", "one", Gathered(f"ranks:{role}"))
+        add(f"{role}.num_gpus_per_node", "one", Gathered(f"ranks:{role}"))
+    for name in (
+        "vllm.num_engines", "vllm.tensor_parallel_size", "vllm.gpu_memory_utilization",
+        "vllm.enable_prefix_caching", "vllm.enforce_eager", "vllm.enable_sleep",
+        "train.colocate_actor_ref", "train.colocate_critic_reward", "train.async_queue_size",
+        "train.partial_rollout_enable",
+        "train.seed", "train.batch_size", "train.micro_batch_size", "train.agent_func_path",
+        "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.temperature",
+        "rollout.top_p", "rollout.max_new_tokens", "data.input_key", "data.label_key",
+        "data.input_template", "data.apply_chat_template", "data.max_samples",
+        "algo.kl.init_coef", "algo.kl.estimator", "algo.kl.use_loss", "algo.kl.target",
+        "algo.kl.horizon", "algo.advantage.estimator", "algo.advantage.gamma",
+        "algo.dynamic_filtering_enable", "ckpt.load_enable",
+        "reward.remote_url",
+        "eval.temperature",
+    ):  # fmt: skip
+        arity: Arity = "switch" if _is_switch(name) else "two" if name in _TWO else "one"
+        add(name, arity, Same(_PPO_DEFAULTS.get(name, "")))
+    add("algo.dynamic_filtering_range", "two", Same())
+    add("train.colocate_all", "switch", Gathered("colocate"))
+    add("train.async_enable", "switch", Gathered("colocate"))
+    add(
+        "eval.steps",
+        "one",
+        alias(
+            "eval.steps",
+            values=never_at_minus_one,
+            default="10 here (OpenRLHF -1: never); -1 means never here too",
+        ),
+    )
+    add(
+        "ckpt.save_steps",
+        "one",
+        alias(
+            "ckpt.save_steps",
+            values=never_at_minus_one,
+            default="-1 (OpenRLHF's never) is 0 here: only the last step's checkpoint",
+        ),
+    )
+    # Weight sync.
+    add(
+        "vllm.sync_backend",
+        "one",
+        alias(
+            "train.weight_transport",
+            values={"nccl": "broadcast", "gloo": "broadcast"},
+            default="auto here: the transport follows the placement (CUDA IPC, NCCL broadcast, "
+            "shared memory); nccl/gloo pick the broadcast",
+        ),
+    )
+    add(
+        "vllm.sync_with_ray",
+        "switch",
+        alias("train.weight_transport", values={"True": "object_store", "False": "auto"}),
+    )
+    # Rollout correction (gating other than on the ratio is issue 44's).
+    add("algo.advantage.is_correction_level", "one", Gathered("correction"))
+    add("algo.advantage.is_correction_mode", "one", Gathered("correction"))
+    add("algo.advantage.is_correction_threshold", "many", Gathered("correction"))
+    add("algo.advantage.is_correction_gating", "one", Gathered("correction"))
+    # Logging.
+    add("logger.logging_steps", "one", Notice("every step's metrics are written (metrics.jsonl)"))
+    add("logger.tensorboard_dir", "one", alias("train.use_tensorboard"))
+    add("logger.wandb.key", "one", Gathered("wandb_key"))
+    add("logger.wandb.org", "one", alias("train.wandb_org"))
+    add("logger.wandb.group", "one", alias("train.wandb_group"))
+    add("logger.wandb.project", "one", alias("train.wandb_project", default="rlhf here"))
+    add("logger.wandb.run_name", "one", alias("train.wandb_run_name"))
+    # Checkpoints.
+    add("ckpt.output_dir", "one", alias("run_dir", default="runs/<preset> here"))
+    add(
+        "ckpt.path",
+        "one",
+        Notice("checkpoints go to <--run_dir>/checkpoints (--ckpt.output_dir sets --run_dir)"),
+    )
+    add(
+        "ckpt.save_hf",
+        "switch",
+        alias(
+            "ckpt.export_hf",
+            default="on here (OpenRLHF off): the final policy is exported as a transformers folder",
+        ),
+    )
+    add(
+        "ckpt.disable_ds",
+        "switch",
+        Refused(
+            "checkpoints here always carry the optimizer and the run's state "
+            "(that is what --ckpt.load_enable resumes); --ckpt.save_hf adds the HF export"
+        ),
+    )
+    add("ckpt.max_num", "one", alias("ckpt.keep", default="2 here (OpenRLHF 3)"))
+    add(
+        "ckpt.max_mem",
+        "one",
+        Notice("checkpoints are bounded by count (--ckpt.max_num / --ckpt.keep), not by size"),
+    )
+    add("ckpt.best_metric_key", "one", alias("eval.best_metric", values=best_metric))
+    add(
+        "ds.use_universal_ckpt",
+        "switch",
+        Notice(
+            "a resume may change the rank layout here; --ckpt.allow_config_change names what "
+            "else may change"
+        ),
+    )
+    add("local_rank", "one", Notice("ranks are Ray actors here; no launcher passes --local_rank"))
+    # DeepSpeed, for the actor and the critic alike.
+    add("ds.zero_stage", "one", Gathered("sleep"))
+    add("ds.deepcompile", "switch", alias(*both("deepspeed.deepcompile")))
+    add(
+        "ds.param_dtype",
+        "one",
+        alias(
+            *both("deepspeed.bf16"),
+            values=DTYPE_BF16,
+            default="fp32 here (bf16 on CPUs is slow); --ds.param_dtype bf16 turns it on",
+        ),
+    )
+    add("ds.zpg", "one", only("ds.zpg", "1", "ZeRO++ partitions are not built"))
+    add("ds.adam_offload", "switch", alias(*both("deepspeed.offload_optimizer")))
+    add(
+        "ds.attn_implementation",
+        "one",
+        alias(
+            *both("model.attn_implementation"),
+            default="sdpa here (flash-attn is not installed with rlhf)",
+        ),
+    )
+    add("ds.experts_implementation", "one", MOE)
+    add("ds.use_liger_kernel", "switch", off("ds.use_liger_kernel", "Liger kernels are not built"))
+    add(
+        "ds.grad_accum_dtype",
+        "one",
+        Refused("gradients accumulate in the master weights' fp32 here"),
+    )
+    add("ds.overlap_comm", "switch", Notice("DeepSpeed's default communication overlap is kept"))
+    add("ds.enable_sleep", "switch", Gathered("sleep"))
+    add("ds.tensor_parallel_size", "one", alias(*both("deepspeed.tp_size")))
+    add("ds.packing_samples", "switch", alias(*both("model.packing_samples")))
+    add("ds.load_in_4bit", "switch", off("ds.load_in_4bit", "4-bit loading is not built"))
+    add("ds.lora.rank", "one", alias("actor.model.lora_rank"))
+    add("ds.lora.alpha", "one", alias("actor.model.lora_alpha"))
+    add(
+        "ds.lora.target_modules",
+        "many",
+        alias(
+            "actor.model.lora_target_modules",
+            values=all_linear,
+            default="all-linear is the seven projections of Llama/Qwen-shaped blocks here",
+        ),
+    )
+    add("ds.lora.dropout", "one", alias("actor.model.lora_dropout"))
+    add("ds.ring_attn_size", "one", alias("actor.ring_attn_size", "critic.ring_attn_size"))
+    add("ds.ring_attn_head_stride", "one", Notice(HEAD_STRIDE))
+    add(
+        "ds.value_head_prefix",
+        "one",
+        only("ds.value_head_prefix", "score", "value and reward heads are named score here"),
+    )
+    add(
+        "actor.gradient_checkpointing_enable",
+        "switch",
+        alias(*both("model.gradient_checkpointing")),
+    )
+    add(
+        "actor.gradient_checkpointing_reentrant",
+        "switch",
+        off("actor.gradient_checkpointing_reentrant", "checkpointing here is non-reentrant"),
+    )
+    # Data.
+    add("data.prompt_dataset", "one", alias("data.prompt_data"))
+    add("data.prompt_probs", "one", alias("data.prompt_data_probs", values=comma_list))
+    add(
+        "data.prompt_split",
+        "one",
+        only("data.prompt_split", "train", "a saved dataset directory's train split is read"),
+    )
+    add("data.max_len", "one", alias("rollout.max_len", default="1024 here (OpenRLHF 2048)"))
+    add("data.disable_fast_tokenizer", "switch", Notice("the tokenizer's fast version is used"))
+    add("data.dataloader_num_workers", "one", Notice("prompts are read in the driver process"))
+    add("data.image_key", "one", IMAGES)
+    add(
+        "data.max_images_per_prompt",
+        "one",
+        only("data.max_images_per_prompt", "0", IMAGES.message),
+    )
+    add("eval.dataset", "one", alias("data.eval_data"))
+    add("eval.split", "one", only("eval.split", "train", "a saved dataset's train split is read"))
+    add("eval.n_samples_per_prompt", "one", alias("eval.n_samples"))
+    # Batching.
+    add("train.dynamic_batch_enable", "switch", Gathered("dynamic_batch"))
+    add("train.max_tokens_per_gpu", "one", Gathered("dynamic_batch"))
+    add(
+        "rollout.max_tokens_per_gpu",
+        "one",
+        Notice("log-prob passes use --train.max_tokens_per_micro_batch too"),
+    )
+    add(
+        "rollout.vllm_generate_batch_size",
+        "one",
+        Notice(
+            "every request of a step goes to the engines at once; "
+            "--vllm.max_num_seqs bounds a batch"
+        ),
+    )
+    add(
+        "rollout.micro_batch_size",
+        "one",
+        Notice("log-prob passes use --train.micro_batch_size too"),
+    )
+    add("train.max_epochs", "one", alias("train.ppo_epochs"))
+    add(
+        "train.num_episodes",
+        "one",
+        alias(
+            "train.num_episodes",
+            default="0 here: --train.num_steps (100) counts the steps (OpenRLHF 1 episode)",
+        ),
+    )
+    # Losses.
+    add(
+        "actor.eps_clip",
+        "one",
+        alias("algo.policy_loss.clip_eps_low", "algo.policy_loss.clip_eps_high"),
+    )
+    add("actor.eps_clip_low_high", "two", Gathered("clip"))
+    add("actor.dual_clip", "one", alias("algo.policy_loss.dual_clip"))
+    add("actor.policy_loss_type", "one", alias("algo.policy_loss.name"))
+    add("actor.loss_agg_mode", "one", alias("algo.loss_agg_mode"))
+    add("actor.entropy_coef", "one", alias("algo.entropy_coef"))
+    add("actor.aux_loss_coef", "one", only("actor.aux_loss_coef", "0", MOE.message))
+    add("critic.value_clip", "one", alias("algo.value_clip", default="0.2 here (OpenRLHF 0.5)"))
+    add(
+        "critic.freezing_steps",
+        "one",
+        only(
+            "critic.freezing_steps",
+            "-1",
+            "freezing the actor while the critic warms up is not built",
+        ),
+    )
+    add(
+        "critic.save_value_network",
+        "switch",
+        Notice("the critic is in every checkpoint; its export is not written"),
+    )
+    add(
+        "algo.advantage.lambd",
+        "one",
+        alias(
+            "algo.advantage.lam", default="0.95 here (OpenRLHF 1): GAE's usual bias/variance trade"
+        ),
+    )
+    add(
+        "algo.advantage.no_std_norm",
+        "switch",
+        off(
+            "algo.advantage.no_std_norm",
+            "mean-only advantage normalisation is not built "
+            "(--algo.advantage.estimator dr_grpo centres without dividing by the std)",
+        ),
+    )
+    add(
+        "algo.kl.unbiased_gradient",
+        "switch",
+        off("algo.kl.unbiased_gradient", "the unbiased KL-loss gradient is not built"),
+    )
+    add(
+        "reward.clip_range",
+        "two",
+        alias("algo.advantage.reward_clip", default="no clipping here (OpenRLHF clips to -10 10)"),
+    )
+    add("reward.normalize_enable", "switch", Notice(NORMALIZE))
+    add("reward.overlong_buffer_len", "one", alias("algo.overlong_buffer_len"))
+    add("reward.overlong_penalty_factor", "one", alias("algo.overlong_penalty_factor"))
+    add("reward.stop_properly_penalty_coef", "one", alias("algo.stop_properly_penalty_coef"))
+    add(
+        "train.full_determinism_enable",
+        "switch",
+        Notice(
+            "runs here are seeded (--train.seed, --rollout.seed_requests); see the README on "
+            "determinism"
+        ),
+    )
+    add("train.enable_ema", "switch", Gathered("ema"))
+    add("train.ema_beta", "one", Gathered("ema"))
+    # Models.
+    add("actor.model_name_or_path", "one", alias("actor.model.path"))
+    add("critic.model_name_or_path", "one", alias("critic.model.path"))
+    add("reward.model_name_or_path", "one", alias("train.reward_model_path"))
+    add("ref.offload", "switch", alias("train.ref_reward_offload"))
+    add("reward.offload", "switch", alias("train.ref_reward_offload"))
+    add(
+        "actor.freeze_visual_encoder",
+        "switch",
+        off("actor.freeze_visual_encoder", IMAGES.message),
+    )
+    add("use_ms", "switch", off("use_ms", "models load from local folders or the HF hub"))
+    # Optimizers.
+    for role in ("actor", "critic"):
+        add(f"{role}.optim", "one", only(f"{role}.optim", "adam", MUON.message))
+        for name in ("lr", "momentum", "ns_steps"):
+            add(f"{role}.muon.{name}", "one", MUON)
+        add(f"{role}.muon.nesterov", "switch", MUON)
+        add(f"{role}.muon.no_nesterov", "switch", MUON)
+        add(f"{role}.adam.lr", "one", alias(f"{role}.optimizer.lr"))
+        add(f"{role}.adam.betas", "two", alias(f"{role}.optimizer.betas"))
+        add(f"{role}.adam.eps", "one", alias(f"{role}.optimizer.eps"))
+        add(f"{role}.adam.weight_decay", "one", alias(f"{role}.optimizer.weight_decay"))
+        add(f"{role}.lr_scheduler", "one", alias(f"{role}.optimizer.schedule", values=SCHEDULES))
+        add(
+            f"{role}.lr_warmup_ratio",
+            "one",
+            alias(f"{role}.optimizer.warmup_ratio", default="0 here (OpenRLHF 0.03)"),
+        )
+        add(f"{role}.min_lr_ratio", "one", alias(f"{role}.optimizer.min_lr_ratio"))
+        add(f"{role}.max_norm", "one", alias(f"{role}.optimizer.grad_clip"))
+    return rows
+
+
+def _trainer_rows(kind: Literal["sft", "rm", "dpo"]) -> list[Row]:
+    """``train_sft`` / ``train_rm`` / ``train_dpo`` → ``rlhf train sft|rm|dpo``."""
+    rows: list[Row] = []
+
+    def add(name: str, arity: Arity, entry: Entry) -> None:
+        rows.append(Row(name, arity, entry))
+
+    model = "model.model"
+    add("ckpt.output_dir", "one", alias("run_dir", default=f"runs/{kind} here"))
+    add(
+        "ckpt.path",
+        "one",
+        Notice("checkpoints go to <--run_dir>/checkpoints (--ckpt.output_dir sets --run_dir)"),
+    )
+    add(
+        "ckpt.save_steps",
+        "one",
+        alias(
+            "ckpt.save_steps",
+            values=never_at_minus_one,
+            default="-1 (OpenRLHF's never) is 0 here: only the last step's checkpoint",
+        ),
+    )
+    add(
+        "ckpt.save_hf",
+        "switch",
+        alias(
+            "ckpt.export_hf",
+            default="on here (OpenRLHF off): the model is exported as a transformers folder",
+        ),
+    )
+    add(
+        "ckpt.disable_ds",
+        "switch",
+        Refused(
+            "checkpoints here always carry the optimizer and the data order (that is what "
+            "--ckpt.load_enable resumes); --ckpt.save_hf adds the HF export"
+        ),
+    )
+    add("ckpt.max_num", "one", alias("ckpt.keep", default="2 here (OpenRLHF 3)"))
+    add(
+        "ckpt.max_mem",
+        "one",
+        Notice("checkpoints are bounded by count (--ckpt.max_num / --ckpt.keep), not by size"),
+    )
+    add("ckpt.load_enable", "switch", Same())
+    add(
+        "ds.use_universal_ckpt",
+        "switch",
+        Notice(
+            "a resume may change the rank layout here; --ckpt.allow_config_change names what "
+            "else may change"
+        ),
+    )
+    add("logger.logging_steps", "one", Notice("every step's metrics are written (metrics.jsonl)"))
+    if kind == "sft":
+        add(
+            "eval.steps",
+            "one",
+            only("eval.steps", "-1", "rlhf train sft has no evaluation set yet"),
+        )
+        add("eval.dataset", "one", Refused("rlhf train sft has no evaluation set yet"))
+    else:
+        add(
+            "eval.steps",
+            "one",
+            Notice(
+                "the held-out pairs (--eval.dataset) are scored at every checkpoint and at the end"
+            ),
+        )
+        add("eval.dataset", "one", alias("eval_dataset"))
+    add("eval.split", "one", only("eval.split", "train", "a saved dataset's train split is read"))
+    add(
+        "train.micro_batch_size",
+        "one",
+        alias("micro_batch_size", default="8 here (OpenRLHF 1 for rm)" if kind == "rm" else ""),
+    )
+    add(
+        "train.batch_size",
+        "one",
+        alias(
+            "batch_size",
+            default=("32 here (OpenRLHF 128)" if kind == "sft" else "16 here (OpenRLHF 128)"),
+        ),
+    )
+    add("train.seed", "one", alias("seed"))
+    add(
+        "train.max_epochs",
+        "one",
+        alias(
+            "num_epochs",
+            default="0 here: --num_steps (100) counts the steps (OpenRLHF: 2 epochs sft, 1 rm/dpo)",
+        ),
+    )
+    add(
+        "train.full_determinism_enable",
+        "switch",
+        Notice("runs here are seeded (--seed); see the README on determinism"),
+    )
+    add("local_rank", "one", Notice("ranks are Ray actors here; no launcher passes --local_rank"))
+    add(
+        "model.model_name_or_path",
+        "one",
+        Gathered("ref_model") if kind == "dpo" else alias(f"{model}.path"),
+    )
+    add("model.gradient_checkpointing_enable", "switch", alias(f"{model}.gradient_checkpointing"))
+    add(
+        "model.gradient_checkpointing_reentrant",
+        "switch",
+        off("model.gradient_checkpointing_reentrant", "checkpointing here is non-reentrant"),
+    )
+    add("model.aux_loss_coef", "one", only("model.aux_loss_coef", "0", MOE.message))
+    add("ds.zero_stage", "one", alias("model.deepspeed.zero_stage"))
+    add("ds.deepcompile", "switch", alias("model.deepspeed.deepcompile"))
+    add(
+        "ds.param_dtype",
+        "one",
+        alias(
+            "model.deepspeed.bf16",
+            values=DTYPE_BF16,
+            default="fp32 here (bf16 on CPUs is slow); --ds.param_dtype bf16 turns it on",
+        ),
+    )
+    add("ds.zpg", "one", only("ds.zpg", "1", "ZeRO++ partitions are not built"))
+    add("ds.adam_offload", "switch", alias("model.deepspeed.offload_optimizer"))
+    add(
+        "ds.attn_implementation",
+        "one",
+        alias(
+            f"{model}.attn_implementation",
+            default="sdpa here (flash-attn is not installed with rlhf)",
+        ),
+    )
+    add("ds.experts_implementation", "one", MOE)
+    if kind != "rm":
+        add(
+            "ds.use_liger_kernel",
+            "switch",
+            off("ds.use_liger_kernel", "Liger kernels are not built"),
+        )
+    add(
+        "ds.grad_accum_dtype",
+        "one",
+        Refused("gradients accumulate in the master weights' fp32 here"),
+    )
+    add("ds.overlap_comm", "switch", Notice("DeepSpeed's default communication overlap is kept"))
+    add("ds.tensor_parallel_size", "one", alias("model.deepspeed.tp_size"))
+    add("ds.ring_attn_size", "one", alias("model.ring_attn_size"))
+    add("ds.ring_attn_head_stride", "one", Notice(HEAD_STRIDE))
+    add("ds.load_in_4bit", "switch", off("ds.load_in_4bit", "4-bit loading is not built"))
+    add("ds.lora.rank", "one", alias(f"{model}.lora_rank"))
+    add("ds.lora.alpha", "one", alias(f"{model}.lora_alpha"))
+    add(
+        "ds.lora.target_modules",
+        "many",
+        alias(
+            f"{model}.lora_target_modules",
+            values=all_linear,
+            default="all-linear is the seven projections of Llama/Qwen-shaped blocks here",
+        ),
+    )
+    add("ds.lora.dropout", "one", alias(f"{model}.lora_dropout"))
+    add("ds.packing_samples", "switch", alias(f"{model}.packing_samples"))
+    add("data.disable_fast_tokenizer", "switch", Notice("the tokenizer's fast version is used"))
+    add("data.dataloader_num_workers", "one", Notice("rows are read in the driver process"))
+    add("data.dataset", "one", alias("dataset"))
+    add(
+        "data.dataset_probs",
+        "one",
+        only("data.dataset_probs", "1.0", "one dataset per run here (blend it beforehand)"),
+    )
+    add(
+        "data.dataset_split",
+        "one",
+        only("data.dataset_split", "train", "a saved dataset directory's train split is read"),
+    )
+    add(
+        "data.max_samples",
+        "one",
+        alias("max_samples", default="every row here (OpenRLHF 1000000)"),
+    )
+    add(
+        "data.input_template",
+        "one",
+        alias(
+            "input_template",
+            default="none here: the tokenizer's chat template when it has one (OpenRLHF "
+            "'User: {}\\nAssistant: ')",
+        ),
+    )
+    add(
+        "data.apply_chat_template",
+        "switch",
+        Notice(
+            "the tokenizer's chat template is applied whenever it has one and no "
+            "--data.input_template is given"
+        ),
+    )
+    add(
+        "data.tokenizer_chat_template",
+        "one",
+        Refused("put the template in the model folder's tokenizer_config.json (chat_template)"),
+    )
+    add("data.max_len", "one", alias("max_len", default="1024 here (OpenRLHF 2048)"))
+    for name in ("org", "group", "project", "run_name"):
+        add(
+            f"logger.wandb.{name}",
+            "one",
+            alias(f"wandb_{name}", default="rlhf here" if name == "project" else ""),
+        )
+    add("logger.wandb.key", "one", Gathered("wandb_key_top"))
+    add("logger.tensorboard_dir", "one", alias("use_tensorboard"))
+    add("use_ms", "switch", off("use_ms", "models load from local folders or the HF hub"))
+    add("optim", "one", only("optim", "adam", MUON.message))
+    for name in ("lr", "momentum", "ns_steps"):
+        add(f"muon.{name}", "one", MUON)
+    add("muon.nesterov", "switch", MUON)
+    add("muon.no_nesterov", "switch", MUON)
+    add("adam.lr", "one", alias("model.optimizer.lr", default="1e-6 here (OpenRLHF 5e-6)"))
+    add("adam.betas", "two", alias("model.optimizer.betas"))
+    add("adam.eps", "one", alias("model.optimizer.eps"))
+    add("adam.weight_decay", "one", alias("model.optimizer.weight_decay"))
+    add("lr_scheduler", "one", alias("model.optimizer.schedule", values=SCHEDULES))
+    add(
+        "lr_warmup_ratio",
+        "one",
+        alias("model.optimizer.warmup_ratio", default="0 here (OpenRLHF 0.03)"),
+    )
+    add("min_lr_ratio", "one", alias("model.optimizer.min_lr_ratio"))
+    add("max_norm", "one", alias("model.optimizer.grad_clip"))
+    if kind == "sft":
+        add("model.pretrain_mode_enable", "switch", alias("pretrain"))
+        add("data.multiturn", "switch", Gathered("multiturn"))
+        add("data.input_key", "one", Gathered("multiturn"))
+        add("data.output_key", "one", alias("output_key", default="output here (OpenRLHF none)"))
+    else:
+        add(
+            "data.prompt_key",
+            "one",
+            alias("prompt_key", default="prompt here (OpenRLHF none: no prompt field)"),
+        )
+        add("data.chosen_key", "one", alias("chosen_key"))
+        add("data.rejected_key", "one", alias("rejected_key"))
+    if kind == "rm":
+        add(
+            "ds.value_head_prefix",
+            "one",
+            only("ds.value_head_prefix", "score", "value and reward heads are named score here"),
+        )
+        add(
+            "model.compute_fp32_loss_enable",
+            "switch",
+            Notice("the pairwise loss is computed in fp32 here"),
+        )
+        add("model.margin_loss_enable", "switch", Gathered("margin"))
+        add(
+            "model.loss_type",
+            "one",
+            alias(
+                "loss_type",
+                values={"sigmoid": "sigmoid", "logexp": "log_exp", "log_exp": "log_exp"},
+            ),
+        )
+    if kind == "dpo":
+        add(
+            "ref.offload",
+            "switch",
+            Notice(
+                "the reference log-probs are computed once before training; no reference model "
+                "stays loaded"
+            ),
+        )
+        add("ref.model_name_or_path", "one", Gathered("ref_model"))
+        add("model.beta", "one", alias("beta"))
+        add("model.ipo_enable", "switch", Gathered("ipo"))
+        add("model.label_smoothing", "one", alias("label_smoothing"))
+        add("model.nll_loss_coef", "one", alias("nll_loss_coef"))
+    return rows
+
+
+def _serve_rm_rows() -> list[Row]:
+    """``serve_rm`` → ``rlhf serve-rm``."""
+    return [
+        Row("reward.model_name_or_path", "one", alias("model_path")),
+        Row("reward.normalize_enable", "switch", Notice(NORMALIZE)),
+        Row(
+            "ds.value_head_prefix",
+            "one",
+            only("ds.value_head_prefix", "score", "value and reward heads are named score here"),
+        ),
+        Row("data.max_len", "one", alias("max_len")),
+        Row("port", "one", Same()),
+        Row(
+            "host",
+            "one",
+            Same(
+                default="127.0.0.1 here (OpenRLHF 0.0.0.0): reachable only "
+                "from this machine unless you say so"
+            ),
+        ),
+        Row("ds.load_in_4bit", "switch", off("ds.load_in_4bit", "4-bit loading is not built")),
+        Row(
+            "ds.param_dtype",
+            "one",
+            alias("dtype", values={"bf16": "bfloat16"}, default="float32 here (OpenRLHF bf16)"),
+        ),
+        Row("ds.attn_implementation", "one", Notice("the model's default attention is used")),
+        Row("ds.experts_implementation", "one", MOE),
+        Row(
+            "data.disable_fast_tokenizer", "switch", Notice("the tokenizer's fast version is used")
+        ),
+        Row(
+            "ds.packing_samples",
+            "switch",
+            Notice("each request's texts are scored as a padded batch"),
+        ),
+        Row("batch_size", "one", Same()),
+        Row("use_ms", "switch", off("use_ms", "models load from local folders or the HF hub")),
+    ]
+
+
+_TWO = {"algo.dynamic_filtering_range"}
+
+_PPO_DEFAULTS = {
+    "rollout.batch_size": "16 here (OpenRLHF 1024)",
+    "rollout.n_samples_per_prompt": "8 here (OpenRLHF 1)",
+    "rollout.max_new_tokens": "256 here (OpenRLHF 1024)",
+    "train.batch_size": "0 here: the whole rollout batch is one optimizer step (OpenRLHF 128)",
+    "train.micro_batch_size": "8 here (OpenRLHF 1)",
+    "algo.advantage.estimator": "the preset's (ppo: gae)",
+    "algo.kl.init_coef": "the preset's (OpenRLHF 0.01)",
+    "eval.temperature": "1.0 here (OpenRLHF 0.6)",
+    "vllm.gpu_memory_utilization": "0.6 here (OpenRLHF 0.95): room for the learner on a shared GPU",
+    "vllm.enable_prefix_caching": "on here (OpenRLHF off): a prompt's samples share its prefix",
+    "vllm.enforce_eager": "None here: eager on CPUs, CUDA graphs on GPUs (OpenRLHF off)",
+    "vllm.enable_sleep": "None here: on under --train.colocate_all when memory needs it",
+}
+
+
+def _is_switch(name: str) -> bool:
+    return name in {
+        "vllm.enable_prefix_caching", "vllm.enforce_eager", "vllm.enable_sleep",
+        "train.colocate_actor_ref", "train.colocate_critic_reward", "train.colocate_all",
+        "train.async_enable", "train.partial_rollout_enable", "data.apply_chat_template",
+        "algo.kl.use_loss", "algo.dynamic_filtering_enable", "ckpt.load_enable",
+    }  # fmt: skip
+
+
+def _table(rows: list[Row]) -> dict[str, Row]:
+    table = {row.name: row for row in rows}
+    if len(table) != len(rows):
+        raise AssertionError("a flag is listed twice")
+    return table
+
+
+TABLES: dict[str, dict[str, Row]] = {
+    "train_ppo_ray": _table(_ppo_rows()),
+    "train_sft": _table(_trainer_rows("sft")),
+    "train_rm": _table(_trainer_rows("rm")),
+    "train_dpo": _table(_trainer_rows("dpo")),
+    "serve_rm": _table(_serve_rm_rows()),
+}
+"""OpenRLHF entry point → its flags (name without ``--``) → `Row`."""
+
+EARLIER: dict[str, dict[str, Row]] = {
+    "train_ppo_ray": _table(
+        [
+            Row("algo.advantage.is_correction_enable", "switch", Gathered("correction")),
+            Row("algo.advantage.is_correction_type", "one", Gathered("correction")),
+        ]
+    )
+}
+"""Flags of OpenRLHF 0.11.0 that 0.11.2 renamed, still read (its repository's example scripts
+use them): the rollout correction's switch and type (tis, icepop, seq-mask-tis)."""
+
+COMMANDS = {
+    "train_ppo_ray": "rlhf train <rl preset>",
+    "train_sft": "rlhf train sft",
+    "train_rm": "rlhf train rm",
+    "train_dpo": "rlhf train dpo",
+    "serve_rm": "rlhf serve-rm",
+}
+"""OpenRLHF entry point → the ``rlhf`` command that reads its flags."""

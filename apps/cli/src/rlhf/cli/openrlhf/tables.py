@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from rlhf.cli.openrlhf.entries import (
@@ -33,6 +33,110 @@ from rlhf.cli.openrlhf.entries import (
 
 def _roles(*suffixes: str, roles: Sequence[str] = ("actor", "critic")) -> tuple[str, ...]:
     return tuple(f"{role}.{suffix}" for role in roles for suffix in suffixes)
+
+
+def _common_rows(
+    *,
+    deepspeed: Callable[[str], tuple[str, ...]],
+    model: Callable[[str], tuple[str, ...]],
+    ring: tuple[str, ...],
+    top: str,
+    run_default: str,
+    liger: bool,
+    lora: Callable[[str], tuple[str, ...]] | None = None,
+) -> list[Row]:
+    """The checkpoint, logging and DeepSpeed flags every training entry point has, onto the
+    fields ``deepspeed(name)`` / ``model(name)`` / ``lora(name)`` (of `DeepSpeedConfig` and
+    `ModelConfig`; LoRA defaults to the model's), the ring-attention fields ``ring``, and the
+    logging fields under ``top`` (``train.`` for RL, nothing for sft/rm/dpo)."""
+    lora = lora or model
+    wandb = "wandb_key" if top else "wandb_key_top"
+    rows = [
+        Row("ckpt.output_dir", "one", alias("run_dir", default=run_default)),
+        Row("ckpt.path", "one", Notice(
+            "checkpoints go to <--run_dir>/checkpoints (--ckpt.output_dir sets --run_dir)")),
+        Row("ckpt.save_steps", "one", alias("ckpt.save_steps", values=never_at_minus_one,
+            default="-1 (OpenRLHF's never) is 0 here: only the last step's checkpoint")),
+        Row("ckpt.save_hf", "switch", alias("ckpt.export_hf",
+            default="on here (OpenRLHF off): the final model is exported as a transformers "
+            "folder")),
+        Row("ckpt.disable_ds", "switch", Refused(
+            "checkpoints here always carry the optimizer and the run's state (that is what "
+            "--ckpt.load_enable resumes); --ckpt.save_hf adds the HF export")),
+        Row("ckpt.max_num", "one", alias("ckpt.keep", default="2 here (OpenRLHF 3)")),
+        Row("ckpt.max_mem", "one", Notice(
+            "checkpoints are bounded by count (--ckpt.max_num / --ckpt.keep), not by size")),
+        Row("ds.use_universal_ckpt", "switch", Notice(
+            "a resume may change the rank layout here; --ckpt.allow_config_change names what "
+            "else may change")),
+        Row("logger.logging_steps", "one", Notice(
+            "every step's metrics are written (metrics.jsonl)")),
+        Row("logger.tensorboard_dir", "one", alias(f"{top}use_tensorboard")),
+        Row("logger.wandb.key", "one", Gathered(wandb)),
+        *(
+            Row(f"logger.wandb.{name}", "one", alias(f"{top}wandb_{name}",
+                default="rlhf here" if name == "project" else ""))
+            for name in ("org", "group", "project", "run_name")
+        ),
+        Row("local_rank", "one", Notice(
+            "ranks are Ray actors here; no launcher passes --local_rank")),
+        Row("ds.deepcompile", "switch", alias(*deepspeed("deepcompile"))),
+        Row("ds.param_dtype", "one", alias(*deepspeed("bf16"), values=DTYPE_BF16,
+            default="fp32 here (bf16 on CPUs is slow); --ds.param_dtype bf16 turns it on")),
+        Row("ds.zpg", "one", only("ds.zpg", "1", "ZeRO++ partitions are not built")),
+        Row("ds.adam_offload", "switch", alias(*deepspeed("offload_optimizer"))),
+        Row("ds.attn_implementation", "one", alias(*model("attn_implementation"),
+            default="sdpa here (flash-attn is not installed with rlhf)")),
+        Row("ds.experts_implementation", "one", MOE),
+        Row("ds.grad_accum_dtype", "one", Refused(
+            "gradients accumulate in the master weights' fp32 here")),
+        Row("ds.overlap_comm", "switch", Notice(
+            "DeepSpeed's default communication overlap is kept")),
+        Row("ds.tensor_parallel_size", "one", alias(*deepspeed("tp_size"))),
+        Row("ds.packing_samples", "switch", alias(*model("packing_samples"))),
+        Row("ds.load_in_4bit", "switch", off("ds.load_in_4bit", "4-bit loading is not built")),
+        Row("ds.lora.rank", "one", alias(*lora("lora_rank"))),
+        Row("ds.lora.alpha", "one", alias(*lora("lora_alpha"))),
+        Row("ds.lora.target_modules", "many", alias(*lora("lora_target_modules"),
+            values=all_linear,
+            default="all-linear is the seven projections of Llama/Qwen-shaped blocks here")),
+        Row("ds.lora.dropout", "one", alias(*lora("lora_dropout"))),
+        Row("ds.ring_attn_size", "one", alias(*ring)),
+        Row("ds.ring_attn_head_stride", "one", Notice(HEAD_STRIDE)),
+        Row("data.disable_fast_tokenizer", "switch", Notice(
+            "the tokenizer's fast version is used")),
+        Row("use_ms", "switch", off("use_ms", "models load from local folders or the HF hub")),
+    ]  # fmt: skip
+    if liger:
+        rows.append(
+            Row(
+                "ds.use_liger_kernel",
+                "switch",
+                off("ds.use_liger_kernel", "Liger kernels are not built"),
+            )
+        )
+    return rows
+
+
+def _optimizer_rows(prefix: str, target: str, *, lr_default: str = "") -> list[Row]:
+    """OpenRLHF's optimizer flags under ``prefix`` (``actor.``, ``critic.`` or nothing) onto
+    the `OptimizerConfig` at ``target``; Muon's are refused until issue 44 builds it."""
+    rows = [
+        Row(f"{prefix}optim", "one", only(f"{prefix}optim", "adam", MUON.message)),
+        *(Row(f"{prefix}muon.{name}", "one", MUON) for name in ("lr", "momentum", "ns_steps")),
+        Row(f"{prefix}muon.nesterov", "switch", MUON),
+        Row(f"{prefix}muon.no_nesterov", "switch", MUON),
+        Row(f"{prefix}adam.lr", "one", alias(f"{target}.lr", default=lr_default)),
+        Row(f"{prefix}adam.betas", "two", alias(f"{target}.betas")),
+        Row(f"{prefix}adam.eps", "one", alias(f"{target}.eps")),
+        Row(f"{prefix}adam.weight_decay", "one", alias(f"{target}.weight_decay")),
+        Row(f"{prefix}lr_scheduler", "one", alias(f"{target}.schedule", values=SCHEDULES)),
+        Row(f"{prefix}lr_warmup_ratio", "one",
+            alias(f"{target}.warmup_ratio", default="0 here (OpenRLHF 0.03)")),
+        Row(f"{prefix}min_lr_ratio", "one", alias(f"{target}.min_lr_ratio")),
+        Row(f"{prefix}max_norm", "one", alias(f"{target}.grad_clip")),
+    ]  # fmt: skip
+    return rows
 
 
 def _ppo_rows() -> list[Row]:
@@ -75,15 +179,6 @@ def _ppo_rows() -> list[Row]:
             default="10 here (OpenRLHF -1: never); -1 means never here too",
         ),
     )
-    add(
-        "ckpt.save_steps",
-        "one",
-        alias(
-            "ckpt.save_steps",
-            values=never_at_minus_one,
-            default="-1 (OpenRLHF's never) is 0 here: only the last step's checkpoint",
-        ),
-    )
     # Weight sync.
     add(
         "vllm.sync_backend",
@@ -106,100 +201,22 @@ def _ppo_rows() -> list[Row]:
     add("algo.advantage.is_correction_threshold", "many", Gathered("correction"))
     add("algo.advantage.is_correction_gating", "one", Gathered("correction"))
     # Logging.
-    add("logger.logging_steps", "one", Notice("every step's metrics are written (metrics.jsonl)"))
-    add("logger.tensorboard_dir", "one", alias("train.use_tensorboard"))
-    add("logger.wandb.key", "one", Gathered("wandb_key"))
-    add("logger.wandb.org", "one", alias("train.wandb_org"))
-    add("logger.wandb.group", "one", alias("train.wandb_group"))
-    add("logger.wandb.project", "one", alias("train.wandb_project", default="rlhf here"))
-    add("logger.wandb.run_name", "one", alias("train.wandb_run_name"))
     # Checkpoints.
-    add("ckpt.output_dir", "one", alias("run_dir", default="runs/<preset> here"))
-    add(
-        "ckpt.path",
-        "one",
-        Notice("checkpoints go to <--run_dir>/checkpoints (--ckpt.output_dir sets --run_dir)"),
-    )
-    add(
-        "ckpt.save_hf",
-        "switch",
-        alias(
-            "ckpt.export_hf",
-            default="on here (OpenRLHF off): the final policy is exported as a transformers folder",
-        ),
-    )
-    add(
-        "ckpt.disable_ds",
-        "switch",
-        Refused(
-            "checkpoints here always carry the optimizer and the run's state "
-            "(that is what --ckpt.load_enable resumes); --ckpt.save_hf adds the HF export"
-        ),
-    )
-    add("ckpt.max_num", "one", alias("ckpt.keep", default="2 here (OpenRLHF 3)"))
-    add(
-        "ckpt.max_mem",
-        "one",
-        Notice("checkpoints are bounded by count (--ckpt.max_num / --ckpt.keep), not by size"),
-    )
     add("ckpt.best_metric_key", "one", alias("eval.best_metric", values=best_metric))
-    add(
-        "ds.use_universal_ckpt",
-        "switch",
-        Notice(
-            "a resume may change the rank layout here; --ckpt.allow_config_change names what "
-            "else may change"
-        ),
-    )
-    add("local_rank", "one", Notice("ranks are Ray actors here; no launcher passes --local_rank"))
     # DeepSpeed, for the actor and the critic alike.
     add("ds.zero_stage", "one", Gathered("sleep"))
-    add("ds.deepcompile", "switch", alias(*both("deepspeed.deepcompile")))
-    add(
-        "ds.param_dtype",
-        "one",
-        alias(
-            *both("deepspeed.bf16"),
-            values=DTYPE_BF16,
-            default="fp32 here (bf16 on CPUs is slow); --ds.param_dtype bf16 turns it on",
-        ),
-    )
-    add("ds.zpg", "one", only("ds.zpg", "1", "ZeRO++ partitions are not built"))
-    add("ds.adam_offload", "switch", alias(*both("deepspeed.offload_optimizer")))
-    add(
-        "ds.attn_implementation",
-        "one",
-        alias(
-            *both("model.attn_implementation"),
-            default="sdpa here (flash-attn is not installed with rlhf)",
-        ),
-    )
-    add("ds.experts_implementation", "one", MOE)
-    add("ds.use_liger_kernel", "switch", off("ds.use_liger_kernel", "Liger kernels are not built"))
-    add(
-        "ds.grad_accum_dtype",
-        "one",
-        Refused("gradients accumulate in the master weights' fp32 here"),
-    )
-    add("ds.overlap_comm", "switch", Notice("DeepSpeed's default communication overlap is kept"))
     add("ds.enable_sleep", "switch", Gathered("sleep"))
-    add("ds.tensor_parallel_size", "one", alias(*both("deepspeed.tp_size")))
-    add("ds.packing_samples", "switch", alias(*both("model.packing_samples")))
-    add("ds.load_in_4bit", "switch", off("ds.load_in_4bit", "4-bit loading is not built"))
-    add("ds.lora.rank", "one", alias("actor.model.lora_rank"))
-    add("ds.lora.alpha", "one", alias("actor.model.lora_alpha"))
-    add(
-        "ds.lora.target_modules",
-        "many",
-        alias(
-            "actor.model.lora_target_modules",
-            values=all_linear,
-            default="all-linear is the seven projections of Llama/Qwen-shaped blocks here",
-        ),
+    rows += _common_rows(
+        deepspeed=lambda name: both(f"deepspeed.{name}"),
+        model=lambda name: both(f"model.{name}"),
+        lora=lambda name: (f"actor.model.{name}",),
+        ring=both("ring_attn_size"),
+        top="train.",
+        run_default="runs/<preset> here",
+        liger=True,
     )
-    add("ds.lora.dropout", "one", alias("actor.model.lora_dropout"))
-    add("ds.ring_attn_size", "one", alias("actor.ring_attn_size", "critic.ring_attn_size"))
-    add("ds.ring_attn_head_stride", "one", Notice(HEAD_STRIDE))
+    for role in ("actor", "critic"):
+        rows += _optimizer_rows(f"{role}.", f"{role}.optimizer")
     add(
         "ds.value_head_prefix",
         "one",
@@ -224,7 +241,6 @@ def _ppo_rows() -> list[Row]:
         only("data.prompt_split", "train", "a saved dataset directory's train split is read"),
     )
     add("data.max_len", "one", alias("rollout.max_len", default="1024 here (OpenRLHF 2048)"))
-    add("data.disable_fast_tokenizer", "switch", Notice("the tokenizer's fast version is used"))
     add("data.dataloader_num_workers", "one", Notice("prompts are read in the driver process"))
     add("data.image_key", "one", IMAGES)
     add(
@@ -343,26 +359,7 @@ def _ppo_rows() -> list[Row]:
         "switch",
         off("actor.freeze_visual_encoder", IMAGES.message),
     )
-    add("use_ms", "switch", off("use_ms", "models load from local folders or the HF hub"))
     # Optimizers.
-    for role in ("actor", "critic"):
-        add(f"{role}.optim", "one", only(f"{role}.optim", "adam", MUON.message))
-        for name in ("lr", "momentum", "ns_steps"):
-            add(f"{role}.muon.{name}", "one", MUON)
-        add(f"{role}.muon.nesterov", "switch", MUON)
-        add(f"{role}.muon.no_nesterov", "switch", MUON)
-        add(f"{role}.adam.lr", "one", alias(f"{role}.optimizer.lr"))
-        add(f"{role}.adam.betas", "two", alias(f"{role}.optimizer.betas"))
-        add(f"{role}.adam.eps", "one", alias(f"{role}.optimizer.eps"))
-        add(f"{role}.adam.weight_decay", "one", alias(f"{role}.optimizer.weight_decay"))
-        add(f"{role}.lr_scheduler", "one", alias(f"{role}.optimizer.schedule", values=SCHEDULES))
-        add(
-            f"{role}.lr_warmup_ratio",
-            "one",
-            alias(f"{role}.optimizer.warmup_ratio", default="0 here (OpenRLHF 0.03)"),
-        )
-        add(f"{role}.min_lr_ratio", "one", alias(f"{role}.optimizer.min_lr_ratio"))
-        add(f"{role}.max_norm", "one", alias(f"{role}.optimizer.grad_clip"))
     return rows
 
 
@@ -374,53 +371,7 @@ def _trainer_rows(kind: Literal["sft", "rm", "dpo"]) -> list[Row]:
         rows.append(Row(name, arity, entry))
 
     model = "model.model"
-    add("ckpt.output_dir", "one", alias("run_dir", default=f"runs/{kind} here"))
-    add(
-        "ckpt.path",
-        "one",
-        Notice("checkpoints go to <--run_dir>/checkpoints (--ckpt.output_dir sets --run_dir)"),
-    )
-    add(
-        "ckpt.save_steps",
-        "one",
-        alias(
-            "ckpt.save_steps",
-            values=never_at_minus_one,
-            default="-1 (OpenRLHF's never) is 0 here: only the last step's checkpoint",
-        ),
-    )
-    add(
-        "ckpt.save_hf",
-        "switch",
-        alias(
-            "ckpt.export_hf",
-            default="on here (OpenRLHF off): the model is exported as a transformers folder",
-        ),
-    )
-    add(
-        "ckpt.disable_ds",
-        "switch",
-        Refused(
-            "checkpoints here always carry the optimizer and the data order (that is what "
-            "--ckpt.load_enable resumes); --ckpt.save_hf adds the HF export"
-        ),
-    )
-    add("ckpt.max_num", "one", alias("ckpt.keep", default="2 here (OpenRLHF 3)"))
-    add(
-        "ckpt.max_mem",
-        "one",
-        Notice("checkpoints are bounded by count (--ckpt.max_num / --ckpt.keep), not by size"),
-    )
     add("ckpt.load_enable", "switch", Same())
-    add(
-        "ds.use_universal_ckpt",
-        "switch",
-        Notice(
-            "a resume may change the rank layout here; --ckpt.allow_config_change names what "
-            "else may change"
-        ),
-    )
-    add("logger.logging_steps", "one", Notice("every step's metrics are written (metrics.jsonl)"))
     if kind == "sft":
         add(
             "eval.steps",
@@ -465,7 +416,6 @@ def _trainer_rows(kind: Literal["sft", "rm", "dpo"]) -> list[Row]:
         "switch",
         Notice("runs here are seeded (--seed); see the README on determinism"),
     )
-    add("local_rank", "one", Notice("ranks are Ray actors here; no launcher passes --local_rank"))
     add(
         "model.model_name_or_path",
         "one",
@@ -479,57 +429,15 @@ def _trainer_rows(kind: Literal["sft", "rm", "dpo"]) -> list[Row]:
     )
     add("model.aux_loss_coef", "one", only("model.aux_loss_coef", "0", MOE.message))
     add("ds.zero_stage", "one", alias("model.deepspeed.zero_stage"))
-    add("ds.deepcompile", "switch", alias("model.deepspeed.deepcompile"))
-    add(
-        "ds.param_dtype",
-        "one",
-        alias(
-            "model.deepspeed.bf16",
-            values=DTYPE_BF16,
-            default="fp32 here (bf16 on CPUs is slow); --ds.param_dtype bf16 turns it on",
-        ),
+    rows += _common_rows(
+        deepspeed=lambda name: (f"model.deepspeed.{name}",),
+        model=lambda name: (f"{model}.{name}",),
+        ring=("model.ring_attn_size",),
+        top="",
+        run_default=f"runs/{kind} here",
+        liger=kind != "rm",
     )
-    add("ds.zpg", "one", only("ds.zpg", "1", "ZeRO++ partitions are not built"))
-    add("ds.adam_offload", "switch", alias("model.deepspeed.offload_optimizer"))
-    add(
-        "ds.attn_implementation",
-        "one",
-        alias(
-            f"{model}.attn_implementation",
-            default="sdpa here (flash-attn is not installed with rlhf)",
-        ),
-    )
-    add("ds.experts_implementation", "one", MOE)
-    if kind != "rm":
-        add(
-            "ds.use_liger_kernel",
-            "switch",
-            off("ds.use_liger_kernel", "Liger kernels are not built"),
-        )
-    add(
-        "ds.grad_accum_dtype",
-        "one",
-        Refused("gradients accumulate in the master weights' fp32 here"),
-    )
-    add("ds.overlap_comm", "switch", Notice("DeepSpeed's default communication overlap is kept"))
-    add("ds.tensor_parallel_size", "one", alias("model.deepspeed.tp_size"))
-    add("ds.ring_attn_size", "one", alias("model.ring_attn_size"))
-    add("ds.ring_attn_head_stride", "one", Notice(HEAD_STRIDE))
-    add("ds.load_in_4bit", "switch", off("ds.load_in_4bit", "4-bit loading is not built"))
-    add("ds.lora.rank", "one", alias(f"{model}.lora_rank"))
-    add("ds.lora.alpha", "one", alias(f"{model}.lora_alpha"))
-    add(
-        "ds.lora.target_modules",
-        "many",
-        alias(
-            f"{model}.lora_target_modules",
-            values=all_linear,
-            default="all-linear is the seven projections of Llama/Qwen-shaped blocks here",
-        ),
-    )
-    add("ds.lora.dropout", "one", alias(f"{model}.lora_dropout"))
-    add("ds.packing_samples", "switch", alias(f"{model}.packing_samples"))
-    add("data.disable_fast_tokenizer", "switch", Notice("the tokenizer's fast version is used"))
+    rows += _optimizer_rows("", "model.optimizer", lr_default="1e-6 here (OpenRLHF 5e-6)")
     add("data.dataloader_num_workers", "one", Notice("rows are read in the driver process"))
     add("data.dataset", "one", alias("dataset"))
     add(
@@ -570,32 +478,6 @@ def _trainer_rows(kind: Literal["sft", "rm", "dpo"]) -> list[Row]:
         Refused("put the template in the model folder's tokenizer_config.json (chat_template)"),
     )
     add("data.max_len", "one", alias("max_len", default="1024 here (OpenRLHF 2048)"))
-    for name in ("org", "group", "project", "run_name"):
-        add(
-            f"logger.wandb.{name}",
-            "one",
-            alias(f"wandb_{name}", default="rlhf here" if name == "project" else ""),
-        )
-    add("logger.wandb.key", "one", Gathered("wandb_key_top"))
-    add("logger.tensorboard_dir", "one", alias("use_tensorboard"))
-    add("use_ms", "switch", off("use_ms", "models load from local folders or the HF hub"))
-    add("optim", "one", only("optim", "adam", MUON.message))
-    for name in ("lr", "momentum", "ns_steps"):
-        add(f"muon.{name}", "one", MUON)
-    add("muon.nesterov", "switch", MUON)
-    add("muon.no_nesterov", "switch", MUON)
-    add("adam.lr", "one", alias("model.optimizer.lr", default="1e-6 here (OpenRLHF 5e-6)"))
-    add("adam.betas", "two", alias("model.optimizer.betas"))
-    add("adam.eps", "one", alias("model.optimizer.eps"))
-    add("adam.weight_decay", "one", alias("model.optimizer.weight_decay"))
-    add("lr_scheduler", "one", alias("model.optimizer.schedule", values=SCHEDULES))
-    add(
-        "lr_warmup_ratio",
-        "one",
-        alias("model.optimizer.warmup_ratio", default="0 here (OpenRLHF 0.03)"),
-    )
-    add("min_lr_ratio", "one", alias("model.optimizer.min_lr_ratio"))
-    add("max_norm", "one", alias("model.optimizer.grad_clip"))
     if kind == "sft":
         add("model.pretrain_mode_enable", "switch", alias("pretrain"))
         add("data.multiturn", "switch", Gathered("multiturn"))

@@ -254,7 +254,6 @@ def test_a_flag_without_effect_says_so(capsys: pytest.CaptureFixture[str]) -> No
         (["--use_ms"], "--use_ms True"),
         (["--ds.zpg", "8"], "ZeRO++"),
         (["--ckpt.disable_ds"], "--ckpt.save_hf"),
-        (["--ref.num_nodes", "1", "--ref.num_gpus_per_node", "2"], "actor's 1 rank(s)"),
     ],
 )
 def test_a_refused_flag_names_itself_and_what_to_use(flags: list[str], named: str) -> None:
@@ -264,16 +263,23 @@ def test_a_refused_flag_names_itself_and_what_to_use(flags: list[str], named: st
     assert flags[0] in message and named in message, message
 
 
-def test_a_reference_rank_count_equal_to_the_actors_is_accepted() -> None:
+def test_reference_and_reward_model_gpu_counts_are_noted(capsys) -> None:
+    # They score as one replica here whatever OpenRLHF's count: the run is the same.
     flags = [
-        "--actor.num_gpus_per_node",
+        "--ref.num_nodes",
         "2",
         "--ref.num_gpus_per_node",
+        "4",
+        "--reward.num_gpus_per_node",
         "2",
-        "--ref.num_nodes",
-        "1",
     ]
-    assert parse_rl("ppo", flags).actor.num_ranks == 2
+    assert parse_rl("ppo", flags) == parse_rl("ppo", [])
+    err = capsys.readouterr().err
+    for flag in ("--ref.num_nodes", "--ref.num_gpus_per_node", "--reward.num_gpus_per_node"):
+        assert (
+            f"{flag} is accepted and has no effect here: the reference and the reward model run as one data-parallel replica"
+            in err
+        )
 
 
 BOOLEAN_CONTEXT = {
@@ -282,6 +288,7 @@ BOOLEAN_CONTEXT = {
     "actor.deepspeed.deepcompile": ["--actor.deepspeed.bf16", "True"],
     "critic.deepspeed.deepcompile": ["--critic.deepspeed.bf16", "True"],
 }
+"""Flags a boolean needs beside it to pass validation when it is True."""
 
 
 @pytest.mark.parametrize("name", sorted(boolean_flags(RLConfig)))

@@ -248,7 +248,7 @@ def parse_rl(preset: str, flags: Sequence[str]) -> Any:
     """The `RLConfig` of ``rlhf train <preset> <flags>`` (OpenRLHF's ``train_ppo_ray`` flags
     read too), before validation."""
     from rlhf.cli.config import RLConfig
-    from rlhf.cli.openrlhf import check_ranks, openrlhf_help
+    from rlhf.cli.openrlhf import openrlhf_help
     from rlhf.cli.presets import follow_generation_budget, resolve
 
     translated = _openrlhf(flags, entry_point="train_ppo_ray", cls=RLConfig)
@@ -257,9 +257,6 @@ def parse_rl(preset: str, flags: Sequence[str]) -> Any:
         epilog=openrlhf_help("train_ppo_ray"),
     )  # fmt: skip
     config = follow_generation_budget(config, given=given_names(translated.args))
-    if translated.follow_ranks:
-        critic = config.critic.num_ranks if config.uses_critic else None
-        check_ranks(translated.follow_ranks, actor=config.actor.num_ranks, critic=critic)
     return config
 
 

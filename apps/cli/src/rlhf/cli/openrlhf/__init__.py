@@ -28,7 +28,6 @@ from rlhf.cli.openrlhf.groups import FINISHERS
 from rlhf.cli.openrlhf.tables import COMMANDS, EARLIER, TABLES
 from rlhf.cli.openrlhf.translate import (
     Translated,
-    check_ranks,
     translate,
     unknown_flag_problems,
 )
@@ -46,7 +45,6 @@ __all__ = [
     "Row",
     "Same",
     "Translated",
-    "check_ranks",
     "meaning",
     "migration_markdown",
     "openrlhf_help",

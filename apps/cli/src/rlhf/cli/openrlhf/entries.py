@@ -72,11 +72,9 @@ class Row:
     entry: Entry
 
 
-FOLLOW = "\0follow:"
-"""Prefix of the token a ``ranks:ref|reward`` finisher returns: ``role=ranks`` for
-`check_ranks` (never a flag: `translate` takes it out of the line)."""
 NOTE = "\0note:"
-"""Prefix of the token a finisher returns for a printed note (taken out of the line too)."""
+"""Prefix of the token a finisher returns for a printed note (never a flag: `translate` takes
+it out of the line)."""
 
 
 def alias(
@@ -122,6 +120,11 @@ MUON = Refused("Muon is not built yet (issue 44 builds --actor.optim muon); use 
 IMAGES = Refused(
     "vision-language training is not built yet (issue 45 builds the image flags); "
     "prompts are text here"
+)
+SCORERS = (
+    "the reference and the reward model run as one data-parallel replica here (their "
+    "tensor x context-parallel ranks), scoring every sample; OpenRLHF's GPU count for them "
+    "sets only how many replicas share that work"
 )
 HEAD_STRIDE = (
     "ring attention here passes every head at once (the stride trades memory for "

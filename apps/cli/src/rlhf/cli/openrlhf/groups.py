@@ -6,18 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rlhf.cli.config import ConfigError
-from rlhf.cli.openrlhf.entries import FOLLOW, NOTE, pair_from_one_or_two, switch
+from rlhf.cli.openrlhf.entries import NOTE, pair_from_one_or_two, switch
 
 
 def _ranks(role: str) -> Callable[[dict[str, list[str]]], list[str]]:
+    """``--<role>.num_nodes`` × ``--<role>.num_gpus_per_node`` (OpenRLHF's defaults 1 and 8
+    for the one not given) → ``--<role>.num_ranks``."""
+
     def finish(given: dict[str, list[str]]) -> list[str]:
         nodes = int(given.get(f"{role}.num_nodes", ["1"])[0])
         per_node = int(given.get(f"{role}.num_gpus_per_node", ["8"])[0])
-        if role in ("actor", "critic"):
-            return [f"--{role}.num_ranks", str(nodes * per_node)]
-        # The reference runs on the actor's ranks, the reward model on the critic's (or the
-        # actor's); a count of its own is only accepted when it is that one (`check_ranks`).
-        return [f"{FOLLOW}{role}={nodes * per_node}"]
+        return [f"--{role}.num_ranks", str(nodes * per_node)]
 
     return finish
 
@@ -197,7 +196,7 @@ def _ref_model(given: dict[str, list[str]]) -> list[str]:
 
 
 FINISHERS: dict[str, Callable[[dict[str, list[str]]], list[str]]] = {
-    **{f"ranks:{role}": _ranks(role) for role in ("actor", "critic", "ref", "reward")},
+    **{f"ranks:{role}": _ranks(role) for role in ("actor", "critic")},
     "correction": _correction,
     "ema": _ema,
     "dynamic_batch": _dynamic_batch,
@@ -216,10 +215,6 @@ FINISHERS: dict[str, Callable[[dict[str, list[str]]], list[str]]] = {
 
 GROUP_DOCS = {
     **{f"ranks:{r}": f"`{r}` ranks = nodes × GPUs per node" for r in ("actor", "critic")},
-    **{
-        f"ranks:{r}": f"must equal the {f} ranks: the {r} runs on them"
-        for r, f in (("ref", "actor's"), ("reward", "critic's"))
-    },
     "correction": "`--algo.rollout_correction.*`: seq → sequence, clip → truncate",
     "ema": "`--actor.optimizer.ema_decay` = `--train.ema_beta` when enabled",
     "dynamic_batch": "`--train.max_tokens_per_micro_batch` when enabled",

@@ -14,6 +14,7 @@ from rlhf.cli.openrlhf.entries import (
     MUON,
     NORMALIZE,
     SCHEDULES,
+    SCORERS,
     Arity,
     Entry,
     Gathered,
@@ -147,9 +148,12 @@ def _ppo_rows() -> list[Row]:
         rows.append(Row(name, arity, entry))
 
     # Placement: OpenRLHF counts GPUs per node; a rank here is one process (one GPU on GPUs).
-    for role in ("actor", "critic", "ref", "reward"):
+    for role in ("actor", "critic"):
         add(f"{role}.num_nodes", "one", Gathered(f"ranks:{role}"))
         add(f"{role}.num_gpus_per_node", "one", Gathered(f"ranks:{role}"))
+    for role in ("ref", "reward"):
+        add(f"{role}.num_nodes", "one", Notice(SCORERS))
+        add(f"{role}.num_gpus_per_node", "one", Notice(SCORERS))
     for name in (
         "vllm.num_engines", "vllm.tensor_parallel_size", "vllm.gpu_memory_utilization",
         "vllm.enable_prefix_caching", "vllm.enforce_eager", "vllm.enable_sleep",

@@ -1,6 +1,5 @@
-"""A command line with OpenRLHF's flags, rewritten in our spelling (`translate`); what no
-table knows (`unknown_flag_problems`); the rank counts OpenRLHF gives roles that follow
-another's here (`check_ranks`)."""
+"""A command line with OpenRLHF's flags, rewritten in our spelling (`translate`), and what no
+table knows (`unknown_flag_problems`)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from dataclasses import dataclass, field
 from rlhf.cli.config import ConfigError
 from rlhf.cli.openrlhf.docs import meaning
 from rlhf.cli.openrlhf.entries import (
-    FOLLOW,
     NOTE,
     SWITCH_VALUES,
     Alias,
@@ -26,12 +24,10 @@ from rlhf.cli.openrlhf.tables import EARLIER, TABLES
 
 @dataclass(frozen=True)
 class Translated:
-    """A command line in our spelling, the notices its OpenRLHF flags earned, and the rank
-    counts given for the reference / reward model (``role`` → ranks; see `check_ranks`)."""
+    """A command line in our spelling, and the notices its OpenRLHF flags earned."""
 
     args: list[str]
     notices: list[str] = field(default_factory=list)
-    follow_ranks: dict[str, int] = field(default_factory=dict)
 
 
 def _take(args: Sequence[str], i: int, arity: Arity, inline: str | None) -> tuple[list[str], int]:
@@ -88,17 +84,13 @@ def translate(args: Sequence[str], *, entry_point: str) -> Translated:
             gathered.setdefault(entry.group, {})[name] = values
         else:
             out += _aliased(name, entry, values)
-    follow: dict[str, int] = {}
     for group, given in gathered.items():
         for token in FINISHERS[group](given):
-            if token.startswith(FOLLOW):
-                role, _, count = token[len(FOLLOW) :].partition("=")
-                follow[role] = int(count)
-            elif token.startswith(NOTE):
+            if token.startswith(NOTE):
                 notices.append(token[len(NOTE) :])
             else:
                 (tail if group == "correction" else out).append(token)
-    return Translated(out + tail, notices, follow)
+    return Translated(out + tail, notices)
 
 
 def unknown_flag_problems(
@@ -125,23 +117,6 @@ def unknown_flag_problems(
         hint = f"; did you mean {' or '.join(hints)}?" if hints else ""
         problems.append(f"unknown flag --{name}{hint}")
     return problems
-
-
-def check_ranks(follow: Mapping[str, int], *, actor: int, critic: int | None) -> None:
-    """The reference runs on the actor's ranks and the reward model on the critic's (the
-    actor's without a critic): a rank count given for them must be that one."""
-    runs_on = {
-        "ref": ("actor", actor),
-        "reward": ("critic", critic) if critic else ("actor", actor),
-    }
-    for role, count in follow.items():
-        owner, ranks = runs_on[role]
-        if count != ranks:
-            raise ConfigError(
-                f"--{role}.num_nodes × --{role}.num_gpus_per_node = {count}, but the {role} runs "
-                f"on the {owner}'s {ranks} rank(s) here: give the {owner} {count} ranks "
-                f"(--{owner}.num_nodes/--{owner}.num_gpus_per_node) or leave the {role}'s out"
-            )
 
 
 def _aliased(name: str, entry: Alias, values: list[str]) -> list[str]:

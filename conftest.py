@@ -32,9 +32,8 @@ STACK_SIGNAL = signal.SIGUSR1
 ACTORS = ("ray::RankWorker", "ray::EngineActor")
 ESCALATE_S = 10.0
 INTERRUPT_S = 30.0
-"""How long a SIGINT may take to stop the run before the process exits: Ray answers it in
-ray.get within a second on a quiet machine, but took over 10 s once on a loaded one (the run
-then exited 1 without its report)."""
+"""How long a SIGINT may take to stop the run before the process exits (Ray answers it in
+ray.get within a second)."""
 
 
 def _actor_pids() -> list[int]:
@@ -154,3 +153,12 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
 
 
 _WATCHDOG = pytest.StashKey[Watchdog]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The watchdog's second step is a SIGINT; a test run started in the background by a
+    shell without job control (``command &``, ``nohup``) inherits SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler. Give it back, so that step works wherever
+    the run was started."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

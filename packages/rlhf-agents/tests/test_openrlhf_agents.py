@@ -1,7 +1,9 @@
 """OpenRLHF 0.11 agent files (`rlhf.agents.openrlhf`): token-in-token-out episodes on a real LM."""
 
 import asyncio
+import dataclasses
 import textwrap
+import threading
 
 import pytest
 
@@ -111,3 +113,94 @@ def test_a_failing_agent_is_named_or_skipped_by_policy(tmp_path, tokenizer, gene
     skip = runner(module, tokenizer, generator, policy=FailurePolicy(on_failure="skip"))
     result = run(skip, [QUESTION], ["1"], n=2)
     assert result.trajectories == [] and result.metrics["env/skipped"] == 2.0
+
+
+class LoopBound:
+    """A generator bound to the event loop the rollout runs on (the test's, on this thread), as
+    the engine pool's calls are, that numbers its generations as weight versions (0, 1, ...)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.versions = inner, 0
+
+    async def generate(self, prompt, sampling):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("generate was called from another thread's event loop")
+        generation = await self.inner.generate(prompt, sampling)
+        self.versions += 1
+        return dataclasses.replace(generation, weight_version=self.versions - 1)
+
+
+def test_an_openai_server_executor_runs_token_in_token_out(tokenizer, generator, examples) -> None:
+    # OpenRLHF's OpenAI-server shape: the executor keeps the first llm_engine and calls it
+    # from its own HTTP server's thread; every episode goes through the openai client.
+    module = load_module(str(examples / "openrlhf_agent_openai_server.py"), purpose="test")
+    bound = LoopBound(generator)
+    ex = runner(module, tokenizer, bound)
+    result = run(ex, [QUESTION, QUESTION], ["3", "7"], n=2)
+    assert len(result.trajectories) == 4 and result.metrics["env/failed"] == 0.0
+    prompt_ids = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    retry = tuple(tokenizer(":", add_special_tokens=False)["input_ids"])
+    for tr in result.trajectories:
+        assert list(tr.token_ids[: tr.prompt_length]) == prompt_ids
+        actions = [i for i, m in enumerate(tr.action_mask) if m]
+        # One token per turn (every token stops a generation), ":" between two turns.
+        assert len(actions) == tr.metrics["tries"] == tr.metrics["turns"] in (1.0, 2.0)
+        if len(actions) == 2:
+            assert tuple(tr.token_ids[actions[0] + 1 : actions[1]]) == retry
+        for a in actions:  # an engine call on exactly the stream so far returned it
+            assert any(
+                list(p) == list(tr.token_ids[:a])
+                and g.token_ids == tr.token_ids[a : a + 1]
+                and g.logprobs == tr.rollout_logprobs[a : a + 1]
+                for p, g in generator.calls
+            ), a
+        answer = tokenizer.decode(tr.token_ids[actions[-1] : actions[-1] + 1]).strip()
+        label = "3" if tr.prompt_index == 0 else "7"
+        assert tr.score == float(answer == label)
+        assert tr.reward == (1.0 / len(actions) if answer == label else 0.0)
+        assert tr.weight_version is not None and 0 <= tr.weight_version < bound.versions
+    # Alone, an episode's version is the oldest of its generations: its first.
+    # (A run is one event loop: the next is a new runner, its executor a new client.)
+    before = bound.versions
+    alone = run(runner(module, tokenizer, bound), [QUESTION], ["12345"]).trajectories[
+        0
+    ]  # one token never reads 12345
+    assert alone.metrics["tries"] == 2.0 and bound.versions == before + 2
+    assert alone.weight_version == before
+
+
+def test_an_unchanged_openrlhf_import_says_which_line_to_change(tmp_path) -> None:
+    path = tmp_path / "agent.py"
+    path.write_text("from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n")
+    with pytest.raises(ImportError, match=r"imports OpenRLHF's openrlhf: import .* from "
+                       r"rlhf\.agents\.openrlhf instead"):  # fmt: skip
+        load_module(str(path), purpose="agent")
+
+
+SLOW = """
+import asyncio
+
+from rlhf.agents.openrlhf import AgentInstanceBase, MultiTurnAgentExecutor
+
+class AgentInstance(AgentInstanceBase):
+    async def step(self, states, **kwargs):
+        await asyncio.sleep(3600)  # an environment that never answers
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+"""
+
+
+def test_a_step_that_never_returns_is_named_at_its_deadline(tmp_path, tokenizer, generator):
+    path = tmp_path / "slow.py"
+    path.write_text(textwrap.dedent(SLOW))
+    module = load_module(str(path), purpose="test")
+    ex = runner(module, tokenizer, generator, step_timeout_s=0.2)
+    with pytest.raises(EnvironmentStepError, match=r"AgentInstance\.step\(\) of turn 1 did not "
+                       r"return within 0\.2 s \(--train\.agent_step_timeout_s\)"):  # fmt: skip
+        run(ex, [QUESTION], ["1"])
+    skip = runner(
+        module, tokenizer, generator, step_timeout_s=0.2, policy=FailurePolicy(on_failure="skip")
+    )
+    assert run(skip, [QUESTION], ["1"], n=2).metrics["env/skipped"] == 2.0

@@ -193,6 +193,7 @@ class Executors:
             return OpenRLHFAgentRunner(
                 executor=module.AgentExecutor(),
                 source=f"AgentExecutor in {path}",
+                step_timeout_s=self.agent_step_timeout_s,
                 policy=FailurePolicy(
                     on_failure=self.agent_policy[0],  # type: ignore[arg-type]
                     fallback_reward=self.agent_policy[1],

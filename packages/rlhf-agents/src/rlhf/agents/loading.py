@@ -32,7 +32,14 @@ def load_module(path: str | pathlib.Path, *, purpose: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(name, None)
-        raise ImportError(f"importing {purpose} file {str(file)!r} failed: {exc!r}") from exc
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").startswith("openrlhf"):
+            hint = (
+                f"; it imports OpenRLHF's {exc.name}: import AgentInstanceBase, "
+                "MultiTurnAgentExecutor and AgentExecutorBase from rlhf.agents.openrlhf instead "
+                "(the one line an OpenRLHF file changes)"
+            )
+        raise ImportError(f"importing {purpose} file {str(file)!r} failed: {exc!r}{hint}") from exc
     return module
 
 

@@ -20,10 +20,17 @@ An OpenRLHF agent file runs here with one line changed, its import
 per sample with an `EngineAdapter` over our `Generator` as ``llm_engine`` (``generate(token_ids,
 sampling_params)`` answering in vLLM's ``RequestOutput`` shape) and turns each episode into a
 `Trajectory` (action tokens from ``action_ranges``, the engine's log-probs kept exactly).
+
+OpenRLHF's OpenAI-server executor shape works too: an executor that keeps the first
+``llm_engine`` it is given and calls it from its own HTTP server's thread (another event loop)
+gets its generations run on the runner's loop, and each episode's weight version is then the
+oldest of the generations made while it ran (which call was its own cannot be told apart there).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import copy
 import inspect
 from collections.abc import Sequence
@@ -104,8 +111,26 @@ class RequestOutput:
     outputs: list[CompletionOutput]
 
 
+@dataclass(eq=False)
+class _Calls:
+    """The generations made while one episode ran: ``own`` in its task (exact), ``seen`` from
+    another thread's loop (anyone's)."""
+
+    own: list[tuple[int | None, str]] = field(default_factory=list)
+    seen: list[tuple[int | None, str]] = field(default_factory=list)
+
+
+_EPISODE: contextvars.ContextVar[_Calls | None] = contextvars.ContextVar(
+    "openrlhf_episode", default=None
+)
+
+
 class EngineAdapter:
     """``llm_engine`` for an OpenRLHF executor: our `Generator` behind vLLM's call shape.
+
+    One adapter serves every episode of a runner (an executor may keep the first it gets).
+    Called from another thread's event loop (an executor's own HTTP server), a generation is
+    run on ``home``, the loop the runner runs on.
 
     Args:
         generator: Samples in token space.
@@ -114,19 +139,27 @@ class EngineAdapter:
 
     def __init__(self, *, generator: Generator, tokenizer: Any) -> None:
         self.generator, self.tokenizer = generator, tokenizer
-        self.weight_version: int | None = None
-        self.finish_reason = "stop"
+        self.home: asyncio.AbstractEventLoop | None = None
+        self.open: list[_Calls] = []
 
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling_params: Any, multi_modal_data: Any = None
     ) -> RequestOutput:
         if multi_modal_data:
             raise ValueError("images in agent prompts are not built yet (issue 45)")
+        if self.home is not None and asyncio.get_running_loop() is not self.home:
+            future = asyncio.run_coroutine_threadsafe(
+                self.generate(prompt_token_ids, sampling_params), self.home
+            )
+            return await asyncio.wrap_future(future)
         generation = await self.generator.generate(list(prompt_token_ids), ours(sampling_params))
-        self.weight_version, self.finish_reason = (
-            generation.weight_version,
-            generation.finish_reason,
-        )
+        call = (generation.weight_version, generation.finish_reason)
+        episode = _EPISODE.get()
+        if episode is not None:
+            episode.own.append(call)
+        else:
+            for calls in self.open:
+                calls.seen.append(call)
         ids = list(generation.token_ids)
         return RequestOutput(
             outputs=[
@@ -179,7 +212,14 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
     """OpenRLHF's multi-turn executor over an ``AgentInstanceBase`` class: a fresh instance
     per episode, ``reset`` once, then generate and ``step`` until ``done`` or the token budget
     ``max_length`` is spent; the observation grows by each action's tokens (as sampled) and
-    the feedback's tokens (encoded without special tokens)."""
+    the feedback's tokens (encoded without special tokens).
+
+    ``step_timeout_s`` (set by `OpenRLHFAgentRunner` from the run's step timeout; None: no
+    deadline) bounds each ``reset``/``step`` call that awaits: one that does not return in
+    time ends the episode with a `TimeoutError` naming the call. (A coroutine that blocks
+    the event loop without awaiting cannot be interrupted.)"""
+
+    step_timeout_s: float | None = None
 
     def __init__(self, agent_instance_cls: type) -> None:
         if not (
@@ -192,6 +232,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             )
         self.agent_instance_cls = agent_instance_cls
 
+    async def _within(self, call: Any, what: str) -> Any:
+        return await _deadline(call, self.step_timeout_s, what)
+
     async def execute(
         self,
         prompt: str,
@@ -203,7 +246,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         images: Any = None,
     ) -> dict[str, Any]:
         agent = self.agent_instance_cls()
-        reset = await agent.reset({"observation": prompt, "label": label})
+        reset = await self._within(agent.reset({"observation": prompt, "label": label}), "reset()")
         observation = reset["observation"]
         tokens = _ids(hf_tokenizer, observation)
         room = max_length - (getattr(sampling_params, "max_tokens", None) or 1)
@@ -220,13 +263,16 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             truncated = out.finish_reason == "length"
             ranges.append((len(tokens), len(tokens) + len(action)))
             logprobs += [entry[t].logprob for t, entry in zip(action, out.logprobs, strict=True)]
-            step = await agent.step(
-                {
-                    "observation_text": observation,
-                    "action_text": out.text,
-                    "label": label,
-                    "sampling_params": sampling_params,
-                }
+            step = await self._within(
+                agent.step(
+                    {
+                        "observation_text": observation,
+                        "action_text": out.text,
+                        "label": label,
+                        "sampling_params": sampling_params,
+                    }
+                ),
+                f"step() of turn {len(ranges)}",
             )
             total += _number(step["rewards"], what="rewards")
             scores = step.get("scores", total)
@@ -251,6 +297,18 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             "truncated": truncated,
             "extra_logs": extra,
         }
+
+
+async def _deadline(call: Any, timeout_s: float | None, what: str) -> Any:
+    if timeout_s is None:
+        return await call
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except TimeoutError:
+        raise TimeoutError(
+            f"AgentInstance.{what} did not return within {timeout_s:g} s "
+            "(--train.agent_step_timeout_s)"
+        ) from None
 
 
 def _number(value: Any, *, what: str) -> float:
@@ -278,6 +336,8 @@ class OpenRLHFAgentRunner:
         max_len: ``max_length``: the episode's token budget.
         policy: What a failed episode becomes (``raise``, ``skip`` or ``fallback``; a fallback
             episode is skipped here, OpenRLHF's dict being all or nothing).
+        step_timeout_s: Deadline of each ``reset``/``step`` of a `MultiTurnAgentExecutor`
+            (another executor's ``execute`` generates inside it and has none).
     """
 
     def __init__(
@@ -290,6 +350,7 @@ class OpenRLHFAgentRunner:
         sampling: SamplingParams,
         max_len: int,
         policy: FailurePolicy | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
         if not inspect.iscoroutinefunction(getattr(executor, "execute", None)):
             raise TypeError(f"{source}: AgentExecutor.execute must be an async method")
@@ -297,6 +358,9 @@ class OpenRLHFAgentRunner:
         self.tokenizer, self.generator = tokenizer, generator
         self.sampling, self.max_len = sampling, max_len
         self.policy = policy or FailurePolicy()
+        self.engine = EngineAdapter(generator=generator, tokenizer=tokenizer)
+        if isinstance(executor, MultiTurnAgentExecutor):
+            executor.step_timeout_s = step_timeout_s
 
     async def _episode(
         self, prompt: str, label: Any, prompt_index: int, sample_index: int, seed: int | None
@@ -305,16 +369,20 @@ class OpenRLHFAgentRunner:
         params = OpenRLHFSamplingParams.of(self.sampling)
         if seed is not None:
             params.seed = request_seed(seed, prompt_index, sample_index)
-        engine = EngineAdapter(generator=self.generator, tokenizer=self.tokenizer)
+        calls = _Calls()
+        _EPISODE.set(calls)  # this episode's task only
+        self.engine.open.append(calls)
         try:
             out = await self.executor.execute(
-                prompt, label, params, self.max_len, self.tokenizer, engine
+                prompt, label, params, self.max_len, self.tokenizer, self.engine
             )
-            return _trajectory(out, engine, prompt_index, sample_index)
+            return _trajectory(out, calls, prompt_index, sample_index)
         except Exception as exc:
             if self.policy.on_failure == "raise":
                 raise EnvironmentStepError(f"{where}: execute() failed: {exc!r}") from exc
             return None
+        finally:
+            self.engine.open.remove(calls)
 
     async def run(
         self,
@@ -327,6 +395,7 @@ class OpenRLHFAgentRunner:
     ) -> ExecutorResult:
         """Every episode concurrently; see `ExecutorResult` (``env/<key>_mean`` for each of
         the agents' ``extra_logs``)."""
+        self.engine.home = asyncio.get_running_loop()
         indices = batch_indices(
             prompts,
             labels,
@@ -356,10 +425,12 @@ class OpenRLHFAgentRunner:
 
 
 def _trajectory(
-    out: dict[str, Any], engine: EngineAdapter, prompt_index: int, sample_index: int
+    out: dict[str, Any], calls: _Calls, prompt_index: int, sample_index: int
 ) -> Trajectory:
     """OpenRLHF's episode dict as a `Trajectory` (its reward summed over the episode, on the
-    last action token)."""
+    last action token). Its weight version and finish reason are its last generation's; when
+    its generations came through the executor's own server, the version is the oldest of those
+    made while it ran and the finish reason follows ``truncated``."""
     tokens = [int(t) for t in out["observation_tokens"]]
     ranges = [(int(a), int(b)) for a, b in out["action_ranges"]]
     if not ranges or any(not 0 <= a < b <= len(tokens) for a, b in ranges):
@@ -370,12 +441,23 @@ def _trajectory(
     logprobs = out.get("rollout_log_probs")
     if logprobs is None or len(logprobs) != len(tokens):
         raise ValueError("rollout_log_probs must hold one entry per observation token")
+    if out.get("reward") is None:
+        raise ValueError(
+            "the episode has no reward: return one as the dict's 'reward' (agents score their "
+            "own episodes here; no reward model or server scores them)"
+        )
     reward = _number(out["reward"], what="reward")
     score = out.get("scores")
     extra = {
         k: _number(v, what=f"extra_logs[{k!r}]") for k, v in (out.get("extra_logs") or {}).items()
     }
     last = ranges[-1][1] - 1
+    truncated = bool(out.get("truncated", False))
+    if calls.own:
+        version, finish = calls.own[-1]
+    else:
+        known = [v for v, _ in calls.seen if v is not None]
+        version, finish = (min(known) if known else None), ("length" if truncated else "stop")
     return Trajectory(
         token_ids=tuple(tokens),
         action_mask=tuple(mask),
@@ -385,12 +467,12 @@ def _trajectory(
         turn_rewards=(reward,),
         turn_ends=(last,),
         score=reward if score is None else _number(score, what="scores"),
-        truncated=bool(out.get("truncated", False)),
-        finish_reason=engine.finish_reason,  # type: ignore[arg-type]
+        truncated=truncated,
+        finish_reason=finish,  # type: ignore[arg-type]
         metrics={"turns": float(len(ranges)), **extra},
         prompt_index=prompt_index,
         sample_index=sample_index,
-        weight_version=engine.weight_version,
+        weight_version=version,
     )
 
 

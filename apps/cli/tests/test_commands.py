@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rlhf.cli.presets import PRESETS
 
@@ -187,12 +188,27 @@ def _check_best_and_ema(initial, run_dir, evals) -> None:
 
 
 def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    # OpenRLHF's blend of two sources, its --data.tokenizer_chat_template (exported) and its
+    # evaluation set (--eval.dataset, every --eval.steps).
+    rows = assets["sft"].read_text().splitlines(keepends=True)
+    halves = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
+    halves[0].write_text("".join(rows[: len(rows) // 2]))
+    halves[1].write_text("".join(rows[len(rows) // 2 :]))
+    held = tmp_path / "held.jsonl"  # rows of the task (two of the training rows)
+    held.write_text("".join(rows[:2]))
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     out = rlhf(
         "train", "sft",
-        "--run_dir", str(tmp_path),
+        "--run_dir", str(tmp_path / "run"),
         "--model.model.path", str(assets["model"]),
         "--model.optimizer.lr", "3e-3",
-        "--dataset", str(assets["sft"]),
+        "--data.dataset", f"{halves[0]},{halves[1]}",
+        "--data.dataset_probs", "0.5,0.5",
+        "--data.tokenizer_chat_template", template,
+        "--eval.dataset", str(held),
+        "--eval.steps", "10",
         "--input_template", "{}",
         "--num_steps", "30",
         "--batch_size", "32",
@@ -200,9 +216,31 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
         "--model.model.packing_samples", "True",  # padding-free
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
-    losses = [r["sft/loss"] for r in _rows(tmp_path / "metrics.jsonl")]
+    metrics = _rows(tmp_path / "run" / "metrics.jsonl")
+    losses = [r["sft/loss"] for r in metrics if "sft/loss" in r]
     assert len(losses) == 30 and losses[-1] < losses[0] / 2
-    assert (tmp_path / "final" / "tokenizer.json").is_file()
+    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "final").chat_template == template
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["dataset_probs"] == [0.5, 0.5]
+    evals = {r["step"]: r["sft/eval_loss"] for r in metrics if "sft/eval_loss" in r}
+    assert list(evals) == [0, 10, 20, 30] and evals[30] < evals[0]
+    # Before training: the initial model's token-mean NLL of the held-out responses.
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.learner import sft_row
+
+    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
+    model = AutoModelForCausalLM.from_pretrained(assets["model"]).eval()
+    nll, count = 0.0, 0
+    for i, line in enumerate(held.read_text().splitlines()):
+        row = sft_row(json.loads(line), i, tokenizer, input_template="{}")
+        ids = torch.tensor([row.input_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+        token = logp.gather(1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(row.loss_mask[1:], dtype=torch.bool)
+        nll, count = nll - float(token[mask].sum()), count + int(mask.sum())
+    assert evals[0] == pytest.approx(nll / count, rel=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from rlhf.cli.data import (
     DataSourceError,
     Prompt,
     PromptSampler,
+    dataset_rows,
     load_prompts,
     prompt_sources,
     read_rows,
@@ -184,6 +185,52 @@ def test_two_sources_of_one_name_are_refused(tmp_path) -> None:
 def test_bad_blend_weights_are_refused(probs, message) -> None:
     with pytest.raises(DataSourceError, match=message):
         PromptSampler({"a": _prompts("a", 2), "b": _prompts("b", 2)}, probs=probs, seed=0)
+
+
+def _two_sources(tmp_path: pathlib.Path) -> tuple[str, list[dict], list[dict]]:
+    a = [{"input": f"a{i}", "output": "x"} for i in range(2)]
+    b = [{"input": f"b{i}", "output": "y"} for i in range(3)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    return f"{_write_jsonl(tmp_path / 'a', a)},{_write_json(tmp_path / 'b', b)}", a, b
+
+
+def test_trainer_sources_without_weights_follow_one_another(tmp_path) -> None:
+    # OpenRLHF concatenates; --max_samples cuts each source, then the whole.
+    spec, a, b = _two_sources(tmp_path)
+    assert dataset_rows(spec, seed=0) == a + b
+    assert dataset_rows(spec, seed=0, max_samples=1) == a[:1]
+    assert dataset_rows(spec, seed=0, max_samples=2) == a[:2]  # b[:2] cut by the total
+    assert dataset_rows(f"{spec.split(',')[1]}", seed=0, max_samples=2) == b[:2]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_trainer_sources_blend_until_each_gave_every_row(tmp_path, seed) -> None:
+    # Draws by weight, each source cycling from its start, until every weighted source has
+    # given all its rows: each source's rows come in its own order, the last draw completes
+    # the last source, and a zero-weight source gives nothing.
+    spec, a, b = _two_sources(tmp_path)
+    rows = dataset_rows(spec, probs=(0.5, 0.5), seed=seed)
+    from_a = [r for r in rows if r["input"].startswith("a")]
+    from_b = [r for r in rows if r["input"].startswith("b")]
+    assert from_a == [a[i % 2] for i in range(len(from_a))]
+    assert from_b == [b[i % 3] for i in range(len(from_b))]
+    assert len(from_a) >= 2 and len(from_b) >= 3
+    last = from_a if rows[-1]["input"].startswith("a") else from_b
+    other = from_b if last is from_a else from_a
+    assert len(last) == len(a if last is from_a else b)  # its first full pass ended the blend
+    assert len(other) >= len(b if last is from_a else a)
+    assert rows == dataset_rows(spec, probs=(0.5, 0.5), seed=seed)  # seeded
+    assert dataset_rows(spec, probs=(1.0, 0.0), seed=seed) == a
+
+
+def test_bad_trainer_blends_are_named(tmp_path) -> None:
+    spec, _, _ = _two_sources(tmp_path)
+    with pytest.raises(DataSourceError, match=r"--dataset_probs has 1 weights for 2 sources"):
+        dataset_rows(spec, probs=(1.0,), seed=0)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataSourceError, match=r"--dataset: .*empty.jsonl has no rows to blend"):
+        dataset_rows(f"{spec},{tmp_path / 'empty.jsonl'}", probs=(1, 1, 1), seed=0)
 
 
 # A role-tagged template: every message as <|role|>content and a newline; the generation

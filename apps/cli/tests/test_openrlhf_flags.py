@@ -528,3 +528,22 @@ def test_the_estimator_on_rlhf_train_ppo_decides_the_critic_as_in_openrlhf() -> 
     for estimator in ("group_norm", "reinforce", "reinforce_baseline", "rloo", "dr_grpo"):
         config = parse_rl("ppo", ["--algo.advantage.estimator", estimator])
         assert not config.uses_critic, estimator
+
+
+def test_critic_freezing_steps_count_from_zero_as_in_openrlhf() -> None:
+    # OpenRLHF trains the actor at step s (from 0) when s > N: N freezes N + 1 steps.
+    for given, frozen in (("-1", 0), ("0", 1), ("3", 4)):
+        config = parse_rl("ppo", ["--critic.freezing_steps", given])
+        assert config.train.actor_freezing_steps == frozen, given
+    with pytest.raises(ConfigError, match=r"--critic.freezing_steps x: takes a whole number"):
+        parse_rl("ppo", ["--critic.freezing_steps", "x"])
+    # Without a critic there is nothing to warm up, and nothing would train.
+    config = parse_rl("grpo", ["--critic.freezing_steps", "1"])
+    with pytest.raises(ConfigError, match=r"--train.actor_freezing_steps .* needs one"):
+        config.validate()
+
+
+def test_the_advantage_and_kl_switches_reach_the_algorithm() -> None:
+    config = parse_rl("ppo", ["--algo.advantage.no_std_norm", "--algo.kl.unbiased_gradient"])
+    assert config.algo.advantage.std_norm is False and config.algo.kl.unbiased_gradient is True
+    assert parse_rl("ppo", ["--algo.advantage.no_std_norm", "False"]).algo.advantage.std_norm

@@ -304,6 +304,7 @@ def test_rm_margin_key_shifts_each_pair_by_its_margin(assets, tmp_path) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from rlhf.cli.data import read_rows
     from rlhf.cli.preference import PreferenceConfig, load_pairs, preference_step
     from rlhf.learner import ModelConfig, load_model
 
@@ -316,7 +317,9 @@ def test_rm_margin_key_shifts_each_pair_by_its_margin(assets, tmp_path) -> None:
     ))  # fmt: skip
     config = PreferenceConfig(input_template="{}", micro_batch_size=2, margin_key="m")
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
-    train = load_pairs(str(pairs), config, tokenizer, pad_token_id=0, margin_key="m")
+    train = load_pairs(
+        read_rows(str(pairs)), config, tokenizer, source=str(pairs), pad_token_id=0, margin_key="m"
+    )
     model = load_model(ModelConfig(path=str(assets["model"]), kind="scalar")).eval()
     picked = [3, 0, 4, 1]  # pair 2 (m = −2) left out of this step
     micro, objective = preference_step(train, picked, config=config, kind="rm")
@@ -329,7 +332,7 @@ def test_rm_margin_key_shifts_each_pair_by_its_margin(assets, tmp_path) -> None:
         assert float(loss) == pytest.approx(expected, abs=1e-6), pair_ids
         assert abs(float(metrics["rm/margin"])) < 1e-5  # r_c − r_r
     # Without --margin_key the same step costs log 2 a pair.
-    plain = load_pairs(str(pairs), config, tokenizer, pad_token_id=0)
+    plain = load_pairs(read_rows(str(pairs)), config, tokenizer, source=str(pairs), pad_token_id=0)
     micro, objective = preference_step(plain, picked, config=config, kind="rm")
     with torch.no_grad():
         total = sum(float(objective(model, m)[0]) for m in micro)

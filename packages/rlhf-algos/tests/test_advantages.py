@@ -33,7 +33,8 @@ def run(estimator: str, rewards, mask, *, n: int, values=None, **config) -> torc
 
 
 def test_every_registered_estimator_has_a_hand_case_below() -> None:
-    covered = {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo"}
+    covered = {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo",
+               "flash_reinforce"}  # fmt: skip
     assert set(ADVANTAGE_ESTIMATORS.names()) == covered
 
 
@@ -53,6 +54,7 @@ def test_estimators_say_what_they_need() -> None:
         "group_norm": (False, True),
         "grpo": (False, True),
         "dr_grpo": (False, True),
+        "flash_reinforce": (False, False),  # one sample per prompt: the batch is the baseline
     }
 
 
@@ -70,6 +72,15 @@ def test_reinforce_whitens_by_default() -> None:
     mu = 3.5 / 3
     var = ((0.5 - mu) ** 2 + (1 - mu) ** 2 + (2 - mu) ** 2) / 3
     assert adv[0, 0].item() == pytest.approx((0.5 - mu) / math.sqrt(var), abs=1e-12)
+
+
+def test_without_std_norm_whitening_only_centres() -> None:
+    # OpenRLHF's --algo.advantage.no_std_norm: G = [0.5, 1, 2] minus μ = 7/6, not divided.
+    adv = run("reinforce", [2.0], [[1, 1, 1, 0]], n=1, gamma=0.5, std_norm=False)
+    torch.testing.assert_close(adv, t([[0.5 - 7 / 6, 1.0 - 7 / 6, 2.0 - 7 / 6, 0.0]]))
+    # Group norm is a baseline, not whitening: its std stays ([3, 1] → [1, −1]).
+    adv = run("group_norm", [3.0, 1.0], [[1, 1], [1, 1]], n=2, std_norm=False)
+    assert adv[0, 0].item() == pytest.approx(1 / math.sqrt(2), rel=1e-6)
 
 
 def test_reinforce_baseline_subtracts_group_mean_then_whitens_with_unit_gamma() -> None:
@@ -131,6 +142,22 @@ def test_dr_grpo_has_no_std_and_no_whitening() -> None:
     # Group [4, 0]: mean 2 → [2, −2] on every action token.
     adv = run("dr_grpo", [4.0, 0.0], [[1, 1], [1, 1]], n=2)
     torch.testing.assert_close(adv, t([[2.0, 2.0], [-2.0, -2.0]]))
+
+
+def test_flash_reinforce_subtracts_the_batch_mean_without_whitening() -> None:
+    # Four prompts, one sample each: R = [1, 0, 0, 0], batch mean 1/4 → [3/4, −1/4, −1/4, −1/4]
+    # on every action token (γ = 1 even when set lower; no std, no whitening).
+    out = compute_advantages(
+        config=AdvantageConfig(estimator="flash_reinforce", reward_clip=None, gamma=0.5),
+        rewards=t([1.0, 0.0, 0.0, 0.0]),
+        action_mask=torch.ones(4, 2),
+    )
+    want = t([0.75, -0.25, -0.25, -0.25])[:, None].expand(-1, 2)
+    torch.testing.assert_close(out.advantages, want)
+    torch.testing.assert_close(out.returns, want)
+    # Groups or not, the mean is the whole batch's: [3, 1 | 1, 1] → mean 1.5.
+    adv = run("flash_reinforce", [3.0, 1.0, 1.0, 1.0], [[1], [1], [1], [1]], n=2)
+    torch.testing.assert_close(adv, t([[1.5], [-0.5], [-0.5], [-0.5]]))
 
 
 def test_gae_estimator_whitens_gae_advantages_and_returns_are_unwhitened() -> None:
@@ -299,7 +326,8 @@ def test_bad_inputs_name_the_argument() -> None:
             config=cfg, rewards=torch.zeros(6), action_mask=torch.ones(6, 2), n_samples_per_prompt=4
         )
     with pytest.raises(
-        ValueError, match="unknown advantage estimator 'ppo'; choose one of: dr_grpo, gae"
+        ValueError,
+        match="unknown advantage estimator .ppo.; choose one of: dr_grpo, flash_reinforce, gae",
     ):
         AdvantageConfig(estimator="ppo")
     with pytest.raises(ValueError, match="values \\(critic\\) are required"):

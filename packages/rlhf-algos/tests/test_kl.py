@@ -1,5 +1,7 @@
 """KL estimators (values and gradients as losses), kl_penalty, and KL controllers."""
 
+import math
+
 import pytest
 import torch
 
@@ -172,3 +174,44 @@ def test_k3_in_float16_is_finite() -> None:
 def test_adaptive_controller_rejects_a_zero_target() -> None:
     with pytest.raises(ValueError, match="target must be > 0"):
         AdaptiveKLController(init_coef=0.1, target=0.0, horizon=10)
+
+
+def test_unbiased_gradient_keeps_the_value_and_weights_the_gradient_by_hand() -> None:
+    # x = logπ − logπ_ref = −1 − (−1.5) = 0.5; w = π/π_old = exp(−1 − (−1.2)) = exp(0.2).
+    # Value: k3(0.5) = exp(−0.5) − 1 + 0.5; gradient w.r.t. logπ: w·x. Token 2: w = exp(4) is
+    # clamped to 10, gradient 10·0.5. Token 3 is masked: value and gradient 0.
+    lp = torch.tensor([[-1.0, -1.0, -1.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.5, -1.5]], dtype=F64)
+    old = torch.tensor([[-1.2, -5.0, -1.2]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=F64)
+    kl = kl_penalty(logprobs=lp, ref_logprobs=ref, action_mask=mask, estimator="k3",
+                    unbiased_gradient=True, old_logprobs=old)  # fmt: skip
+    k3 = math.exp(-0.5) - 1 + 0.5
+    torch.testing.assert_close(kl.detach(), torch.tensor([[k3, k3, 0.0]], dtype=F64))
+    (grad,) = torch.autograd.grad(kl.sum(), lp)
+    torch.testing.assert_close(
+        grad, torch.tensor([[math.exp(0.2) * 0.5, 10 * 0.5, 0.0]], dtype=F64)
+    )
+    # Without old log-probs the samples are the policy's own: w = 1.
+    kl = kl_penalty(logprobs=lp, ref_logprobs=ref, action_mask=mask, estimator="k1",
+                    unbiased_gradient=True)  # fmt: skip
+    (grad,) = torch.autograd.grad(kl.sum(), lp)
+    torch.testing.assert_close(grad, torch.tensor([[0.5, 0.5, 0.0]], dtype=F64))
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_unbiased_gradient_is_the_reverse_kl_gradient_off_policy(estimator) -> None:
+    # Samples from π_old ≠ π: E_{a~π_old}[∇ loss(a)] = Σ π_old·(π/π_old)·x·∇logπ = ∇KL(π‖π_ref),
+    # whatever the estimator (π_old is close enough to π that no weight reaches the clamp).
+    theta, ref_logp = _categorical(3)
+    logp = torch.log_softmax(theta, dim=0)
+    noise = torch.randn(6, generator=torch.Generator().manual_seed(4), dtype=F64)
+    old_logp = torch.log_softmax(theta.detach() + 0.3 * noise, dim=0)
+    per_action = kl_penalty(
+        logprobs=logp[None], ref_logprobs=ref_logp[None], action_mask=torch.ones(1, 6),
+        estimator=estimator, unbiased_gradient=True, old_logprobs=old_logp[None],
+    )[0]  # fmt: skip
+    (grad,) = torch.autograd.grad((old_logp.exp() * per_action).sum(), theta)
+    logp = torch.log_softmax(theta, dim=0)
+    (true_grad,) = torch.autograd.grad((logp.exp() * (logp - ref_logp)).sum(), theta)
+    torch.testing.assert_close(grad, true_grad)

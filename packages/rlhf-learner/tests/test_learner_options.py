@@ -88,10 +88,16 @@ def learner(
     beta1: float = 0.9,
     grad_clip: float = CLIP,
     gradient_checkpointing: bool = False,
+    reentrant: bool = False,
     **deepspeed: Any,
 ) -> LearnerConfig:
+    model = ModelConfig(
+        path=str(path),
+        gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_reentrant=reentrant,
+    )
     return LearnerConfig(
-        model=ModelConfig(path=str(path), gradient_checkpointing=gradient_checkpointing),
+        model=model,
         optimizer=OptimizerConfig(lr=lr, grad_clip=grad_clip, betas=(beta1, 0.95), eps=EPS),
         deepspeed=DeepSpeedConfig(**deepspeed),
     )
@@ -212,14 +218,24 @@ def test_zero0_step_equals_zero2(group, tiny, ppo, baseline, grad_clip) -> None:
     assert_same_second_step(got, want)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(
+    ("stage", "reentrant"), [(2, False), (3, False), (2, True)], ids=["2", "3", "2-reentrant"]
+)
 def test_gradient_checkpointing_recomputes_the_same_steps(
-    group, tiny, ppo, baseline, stage
+    group, tiny, ppo, baseline, stage, reentrant
 ) -> None:
     """Recomputing each layer's forward in the backward pass is exact in float32 on the CPU
     (the same kernels on the same inputs, and the model has no dropout): both steps are bit
-    for bit the steps without checkpointing."""
-    got = run(group, learner(tiny, zero_stage=stage, gradient_checkpointing=True), ppo)
+    for bit the steps without checkpointing, with torch's reentrant checkpoint too."""
+    config = learner(tiny, zero_stage=stage, gradient_checkpointing=True, reentrant=reentrant)
+    got = run(group, config, ppo)
+    layer = "model.layers.0"
+    kind = group.run(
+        lambda b: b.module.get_submodule(layer)._gradient_checkpointing_func.keywords[
+            "use_reentrant"
+        ]
+    )
+    assert kind == [reentrant] * 2
     dropout = group.run(
         lambda b: (
             b.module.config.attention_dropout,

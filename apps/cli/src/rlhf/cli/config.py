@@ -253,6 +253,9 @@ class TrainConfig:
         batch_size: Sequences per optimizer step (OpenRLHF's ``train_batch_size``); 0 uses
             the whole rollout batch for one step.
         ppo_epochs: Passes over each rollout batch.
+        actor_freezing_steps: The first N steps update the critic alone, so it warms up
+            before the policy follows its values (OpenRLHF's ``--critic.freezing_steps``,
+            which counts from 0: its N is N + 1 here). Needs a critic.
         micro_batch_size: Rows per micro-batch (forward/backward unit).
         max_tokens_per_micro_batch: Token budget of a micro-batch (0: rows only): padded
             tokens, or real tokens when the role runs padding-free
@@ -330,6 +333,7 @@ class TrainConfig:
     num_episodes: int = 0
     batch_size: int = 0
     ppo_epochs: int = 1
+    actor_freezing_steps: int = 0
     micro_batch_size: int = 8
     max_tokens_per_micro_batch: int = 0
     reward_func: str = "builtin:exact_match"

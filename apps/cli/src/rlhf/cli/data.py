@@ -257,11 +257,12 @@ class PromptSampler:
         self.positions = [int(p) for p in state["positions"]]
 
 
-def _blend_weights(probs: Sequence[float], *, n_sources: int) -> list[float]:
+def _blend_weights(
+    probs: Sequence[float], *, n_sources: int, flag: str = "--data.prompt_data_probs"
+) -> list[float]:
     """``probs`` checked (one finite, non-negative weight per source, not all zero), or equal
     weights when empty; ``random.choices`` would fail on all-zero weights only at the first
     draw and silently mis-blend negative ones."""
-    flag = "--data.prompt_data_probs"
     if not probs:
         return [1.0] * n_sources
     if len(probs) != n_sources:
@@ -272,6 +273,41 @@ def _blend_weights(probs: Sequence[float], *, n_sources: int) -> list[float]:
     if sum(probs) <= 0:
         raise DataSourceError(f"{flag} {list(probs)}: at least one weight must be positive")
     return [float(p) for p in probs]
+
+
+def dataset_rows(
+    spec: str,
+    *,
+    probs: Sequence[float] = (),
+    seed: int,
+    max_samples: int | None = None,
+    flag: str = "--dataset",
+) -> list[dict[str, Any]]:
+    """The training rows of ``spec``, one source or several comma-separated ones, each cut at
+    ``max_samples`` first (OpenRLHF's ``--data.dataset a,b`` with ``--data.dataset_probs``):
+    without ``probs`` the sources one after another; with them, rows drawn from the sources by
+    those weights (seeded), each source from its start again when it runs out, until every
+    source with a weight has given all its rows (HF ``interleave_datasets``' all_exhausted
+    rule). The result is cut at ``max_samples`` again."""
+    paths = [part.strip() for part in spec.split(",") if part.strip()]
+    sources = [read_rows(path)[:max_samples] for path in paths]
+    if not probs:
+        return [row for rows in sources for row in rows][:max_samples]
+    weights = _blend_weights(probs, n_sources=len(paths), flag=f"{flag}_probs")
+    empty = [path for path, rows in zip(paths, sources, strict=True) if not rows]
+    if empty:
+        raise DataSourceError(f"{flag}: {', '.join(empty)} has no rows to blend")
+    rng = random.Random(f"{seed}-blend")
+    drawn = [0] * len(sources)
+    left = {i for i, w in enumerate(weights) if w > 0}
+    out: list[dict[str, Any]] = []
+    while left:
+        i = rng.choices(range(len(sources)), weights=weights)[0]
+        out.append(sources[i][drawn[i] % len(sources[i])])
+        drawn[i] += 1
+        if drawn[i] >= len(sources[i]):
+            left.discard(i)
+    return out[:max_samples]
 
 
 def prompt_sources(

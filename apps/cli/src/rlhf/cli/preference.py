@@ -43,6 +43,7 @@ from rlhf.cli.trainer_state import (
     saves_at,
     steps_of_epochs,
     trainer_state,
+    training_rows,
 )
 
 if TYPE_CHECKING:
@@ -55,8 +56,16 @@ class PreferenceConfig:
 
     Attributes:
         run_dir: Where metrics, the resolved config and the exported model go.
-        dataset: Preference rows (.json/.jsonl/.parquet or a saved HF dataset).
-        eval_dataset: Held-out pairs for ``*/eval_accuracy`` (optional).
+        dataset: Preference rows (.json/.jsonl/.parquet or a saved HF dataset); several
+            comma-separated.
+        dataset_probs: Blend weights of several comma-separated ``dataset`` sources, one
+            each (`rlhf.cli.data.dataset_rows`); empty: the sources one after another.
+        chat_template: A Jinja chat template that replaces the tokenizer's (OpenRLHF's
+            ``--data.tokenizer_chat_template``); the exported model's tokenizer carries it.
+        eval_dataset: Held-out pairs for ``*/eval_accuracy`` (optional): before training,
+            every ``eval_steps`` and at the end.
+        eval_steps: Also evaluate every this many steps (OpenRLHF's ``--eval.steps``); 0:
+            before training and at the end only.
         prompt_key: Prompt field.
         chosen_key: Preferred response field.
         rejected_key: Dispreferred response field.
@@ -99,7 +108,10 @@ class PreferenceConfig:
 
     run_dir: str = "runs/pref"
     dataset: str = ""
+    dataset_probs: tuple[float, ...] = ()
+    chat_template: str | None = None
     eval_dataset: str = ""
+    eval_steps: int = 0
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
@@ -137,6 +149,8 @@ class PreferenceConfig:
             raise ConfigError("; ".join(self.plan.problems()))
         if self.num_epochs < 0:
             raise ConfigError(f"--num_epochs must be >= 0, got {self.num_epochs}")
+        if self.eval_steps < 0:
+            raise ConfigError(f"--eval_steps must be >= 0, got {self.eval_steps}")
         if min(self.batch_size, self.micro_batch_size, self.num_steps) < 1:
             raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
         if self.ckpt.save_steps < 0:
@@ -201,19 +215,20 @@ class PreferenceConfig:
 
 
 def load_pairs(
-    path: str,
+    rows: list[dict[str, Any]],
     config: PreferenceConfig,
     tokenizer: Any,
     *,
+    source: str,
     pad_token_id: int,
     margin_key: str | None = None,
 ) -> Batch:
-    """The pairs of ``path`` as one batch: every chosen row, then every rejected row, with
-    ``loss_mask`` on the responses and, with ``margin_key``, each pair's ``margin`` on both
-    of its rows (a `DataError` names a row whose margin is not a finite number)."""
+    """The pairs of ``rows`` (read from ``source``, which errors name) as one batch: every
+    chosen row, then every rejected row, with ``loss_mask`` on the responses and, with
+    ``margin_key``, each pair's ``margin`` on both of its rows (a `DataError` names a row whose
+    margin is not a finite number)."""
     from rlhf.learner import DataError, collate, preference_row
 
-    rows = read_rows(path)[: config.max_samples]
     pairs = [
         preference_row(
             row,
@@ -236,7 +251,7 @@ def load_pairs(
             or not math.isfinite(value)
         ):
             raise DataError(
-                f"row {i} of {path}: --margin_key {margin_key!r} must name a finite number, "
+                f"row {i} of {source}: --margin_key {margin_key!r} must name a finite number, "
                 f"got {value!r}"
             )
         margins.append(float(value))
@@ -335,12 +350,25 @@ def run_preference(
     resolved = {"kind": kind, **dataclasses.asdict(config)}
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
     tokenizer = AutoTokenizer.from_pretrained(config.model.model.path)
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train = load_pairs(
-        config.dataset, config, tokenizer, pad_token_id=pad, margin_key=config.margin_key
+        training_rows(config),
+        config,
+        tokenizer,
+        source=config.dataset,
+        pad_token_id=pad,
+        margin_key=config.margin_key,
     )
     held = (
-        load_pairs(config.eval_dataset, config, tokenizer, pad_token_id=pad)
+        load_pairs(
+            read_rows(config.eval_dataset)[: config.max_samples],
+            config,
+            tokenizer,
+            source=config.eval_dataset,
+            pad_token_id=pad,
+        )
         if config.eval_dataset
         else None
     )
@@ -403,6 +431,11 @@ def run_preference(
             )
             if step == start + 1 or step % 50 == 0 or step == config.num_steps:
                 echo(f"[{kind}] step {step} loss {out['loss']:.4f}")
+            every = config.eval_steps
+            # (the last step's evaluation is written below)
+            if held is not None and every and step % every == 0 and step != config.num_steps:
+                accuracy = _accuracy(group, held, kind=kind, micro=micro)
+                log.write({"step": step, f"{kind}/eval_accuracy": accuracy})
             if saves_at(step, ckpt=config.ckpt, num_steps=config.num_steps):
                 state = trainer_state(command=kind, step=step, shape=config.shape, order=order)
                 path = group.save(str(ckpt_root), step, client_state=state, keep=config.ckpt.keep)

@@ -321,6 +321,7 @@ class RLDriver:
             ppo_epochs=c.train.ppo_epochs,
             train_batch_size=c.train.batch_size,
             micro=self.micro,
+            train_actor=rollout.step >= c.train.actor_freezing_steps,
         )
         training_s = time.perf_counter() - tick
         if experience.mean_kl is not None:

@@ -33,6 +33,7 @@ from rlhf.cli.trainer_state import (
     saves_at,
     steps_of_epochs,
     trainer_state,
+    training_rows,
 )
 
 
@@ -42,7 +43,15 @@ class SFTConfig:
 
     Attributes:
         run_dir: Where metrics, the resolved config and the exported model go.
-        dataset: A .json/.jsonl/.parquet file or saved HF dataset.
+        dataset: A .json/.jsonl/.parquet file or saved HF dataset; several comma-separated.
+        dataset_probs: Blend weights of several comma-separated ``dataset`` sources, one
+            each (`rlhf.cli.data.dataset_rows`); empty: the sources one after another.
+        chat_template: A Jinja chat template that replaces the tokenizer's (OpenRLHF's
+            ``--data.tokenizer_chat_template``); the exported model's tokenizer carries it.
+        eval_dataset: Held-out rows (read like ``dataset``): their token-mean NLL,
+            ``sft/eval_loss``, before training, every ``eval_steps`` and at the end.
+        eval_steps: Also evaluate every this many steps (OpenRLHF's ``--eval.steps``); 0:
+            before training and at the end only.
         input_key: Prompt field (single turn).
         output_key: Response field (single turn).
         messages_key: Chat field (multi turn: every assistant turn is learned); overrides
@@ -79,6 +88,10 @@ class SFTConfig:
 
     run_dir: str = "runs/sft"
     dataset: str = ""
+    dataset_probs: tuple[float, ...] = ()
+    chat_template: str | None = None
+    eval_dataset: str = ""
+    eval_steps: int = 0
     input_key: str = "input"
     output_key: str = "output"
     messages_key: str | None = None
@@ -112,6 +125,8 @@ class SFTConfig:
             raise ConfigError("; ".join(self.plan.problems()))
         if self.num_epochs < 0:
             raise ConfigError(f"--num_epochs must be >= 0, got {self.num_epochs}")
+        if self.eval_steps < 0:
+            raise ConfigError(f"--eval_steps must be >= 0, got {self.eval_steps}")
         if self.batch_size < 1 or self.micro_batch_size < 1 or self.num_steps < 1:
             raise ConfigError("--batch_size, --micro_batch_size and --num_steps must be >= 1")
         if self.ckpt.save_steps < 0:
@@ -146,7 +161,14 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     from rlhf.cli.placement import record_placement, role_strategies
     from rlhf.cli.roles import rank_group
     from rlhf.cli.warm import release_group, warm_roles
-    from rlhf.learner import SFTObjective, collate, sft_row
+    from rlhf.learner import (
+        MicroBatching,
+        SFTObjective,
+        collate,
+        per_sequence,
+        sequence_logps,
+        sft_row,
+    )
 
     config = config.validate()
     config = dataclasses.replace(config, num_steps=steps_of_epochs(config, echo=echo), num_epochs=0)
@@ -166,30 +188,54 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     resolved = dataclasses.asdict(config)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
     tokenizer = AutoTokenizer.from_pretrained(config.model.model.path)
-    rows = [
-        sft_row(
-            row,
-            i,
-            tokenizer,
-            input_key=config.input_key,
-            output_key=config.output_key,
-            messages_key=config.messages_key,
-            input_template=config.input_template,
-            pretrain=config.pretrain,
-            max_len=config.max_len,
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+
+    def tokenized(source: list[dict[str, Any]]) -> list[Any]:
+        return [
+            sft_row(
+                row,
+                i,
+                tokenizer,
+                input_key=config.input_key,
+                output_key=config.output_key,
+                messages_key=config.messages_key,
+                input_template=config.input_template,
+                pretrain=config.pretrain,
+                max_len=config.max_len,
+            )
+            for i, row in enumerate(source)
+        ]
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rows = tokenized(training_rows(config))
+    held = None
+    if config.eval_dataset:
+        held_rows = tokenized(read_rows(config.eval_dataset)[: config.max_samples])
+        if not held_rows:
+            raise ConfigError(f"--eval_dataset {config.eval_dataset}: it has no rows")
+        held = collate(
+            [r.input_ids for r in held_rows],
+            pad_token_id=pad,
+            per_token={"loss_mask": [r.loss_mask for r in held_rows]},
         )
-        for i, row in enumerate(read_rows(config.dataset)[: config.max_samples])
-    ]
+    micro = MicroBatching(max_rows=config.micro_batch_size)
+
+    def eval_loss() -> float:
+        """The held-out rows' token-mean NLL under the current weights."""
+        assert held is not None and group is not None
+        logps = per_sequence(group, held, sequence_logps, micro)
+        return float(-logps.sum() / held["loss_mask"].sum())
+
     order = RowOrder(len(rows), seed=config.seed)
     if resume is not None:
         order.load_state_dict(resume.state["data"], checkpoint=resume.path.name)
     log = open_trainer_sinks(
         config, run_dir=run_dir, run_config=resolved, resume=resume is not None
     )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     role = config.model
     group, key, finished = None, None, False
-    losses = []
+    losses, evals = [], []
     try:
         gpu = start_ray(address=config.ray.address).gpu
         warm = warm_roles()
@@ -215,6 +261,9 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             group.load(str(resume.path))
             start = resume.step
             echo(f"[resume] from {resume.path} at step {start}")
+        if held is not None:  # before this process's first step
+            evals.append(eval_loss())
+            log.write({"step": start, "sft/eval_loss": evals[-1]})
         for step in range(start + 1, config.num_steps + 1):
             picked = order.take(config.batch_size)
             batch = collate(
@@ -225,10 +274,17 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
             out = group.train_step(batch, objective, max_rows=config.micro_batch_size)
             losses.append(out["loss"])
+            evaluated = {}
+            if held is not None and (
+                step == config.num_steps or (config.eval_steps and step % config.eval_steps == 0)
+            ):
+                evals.append(eval_loss())
+                evaluated = {"sft/eval_loss": evals[-1]}
             log.write(
                 {
                     "step": step,
                     "sft/loss": out["loss"],
+                    **evaluated,
                     "lr": out["lr"],
                     "data/rows_crc32": rows_crc32(picked),
                 }
@@ -239,6 +295,8 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
                 state = trainer_state(command="sft", step=step, shape=config.shape, order=order)
                 path = group.save(str(ckpt_root), step, client_state=state, keep=config.ckpt.keep)
                 echo(f"[ckpt] {path}")
+        if evals:
+            echo(f"[sft] held-out loss {evals[0]:.4f} -> {evals[-1]:.4f}")
         if config.ckpt.export_hf:
             group.export_hf(str(run_dir / "final"))
             tokenizer.save_pretrained(run_dir / "final")
@@ -247,4 +305,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
         log.close()
         if group is not None:
             release_group(group, key, keep=finished)  # a later run may take it over
-    return {"first_loss": losses[0], "last_loss": losses[-1], "model": str(run_dir / "final")}
+    out = {"first_loss": losses[0], "last_loss": losses[-1], "model": str(run_dir / "final")}
+    if evals:
+        out |= {"eval_loss_start": evals[0], "eval_loss_end": evals[-1]}
+    return out

@@ -41,6 +41,23 @@ class _Epochs(Protocol):
     def num_steps(self) -> int: ...
     @property
     def max_samples(self) -> int | None: ...
+    @property
+    def dataset_probs(self) -> tuple[float, ...]: ...
+    @property
+    def seed(self) -> int: ...
+
+
+def training_rows(config: _Epochs) -> list[dict[str, Any]]:
+    """The rows a trainer learns from: ``--dataset`` (blended by ``--dataset_probs``), cut
+    at ``--max_samples`` (`rlhf.cli.data.dataset_rows`)."""
+    from rlhf.cli.data import dataset_rows
+
+    return dataset_rows(
+        config.dataset,
+        probs=config.dataset_probs,
+        seed=config.seed,
+        max_samples=config.max_samples,
+    )
 
 
 def steps_of_epochs(config: _Epochs, *, echo: Any = print) -> int:
@@ -49,9 +66,7 @@ def steps_of_epochs(config: _Epochs, *, echo: Any = print) -> int:
     says which."""
     if not config.num_epochs:
         return config.num_steps
-    from rlhf.cli.data import read_rows
-
-    rows = len(read_rows(config.dataset)[: config.max_samples])
+    rows = len(training_rows(config))
     steps = max(1, -(-config.num_epochs * rows // config.batch_size))
     echo(
         f"[plan] --num_epochs {config.num_epochs}: {rows} rows / --batch_size "

@@ -245,9 +245,10 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
             f"{config.train.turn_credit!r}",
         ),
         (
-            config.train.turn_credit == "per_turn" and config.algo.advantage.spec.needs_groups,
+            config.train.turn_credit == "per_turn"
+            and config.algo.advantage.spec.subtracts_baseline,
             f"--train.turn_credit per_turn places rewards on tokens, but "
-            f"--algo.advantage.estimator {config.algo.advantage.estimator} subtracts a group "
+            f"--algo.advantage.estimator {config.algo.advantage.estimator} subtracts a "
             "baseline from one reward per sample: use gae or reinforce, or --train.turn_credit "
             "episode",
         ),
@@ -320,6 +321,16 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
             "and a reward model (--train.reward_model_path)",
         ),
         (config.train.micro_batch_size < 1, "--train.micro_batch_size must be >= 1"),
+        (
+            config.train.actor_freezing_steps < 0,
+            "--train.actor_freezing_steps must be >= 0 (0: the actor trains from the first step)",
+        ),
+        (
+            config.train.actor_freezing_steps > 0 and not config.uses_critic,
+            "--train.actor_freezing_steps (OpenRLHF's --critic.freezing_steps) lets a critic "
+            "warm up: it needs one (--algo.advantage.estimator gae); without a critic nothing "
+            "would train",
+        ),
         (
             config.actor.model.chunked_lm_head and config.actor.deepspeed.zero_stage == 3,
             "--actor.model.chunked_lm_head needs --actor.deepspeed.zero_stage <= 2 (ZeRO-3 "

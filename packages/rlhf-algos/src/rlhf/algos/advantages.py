@@ -91,6 +91,21 @@ def group_norm_baseline(rewards: Tensor, *, n_samples_per_prompt: int) -> Tensor
     return out.reshape(-1).to(rewards.dtype)
 
 
+@GROUP_BASELINES.register("batch_mean")
+def batch_mean_baseline(rewards: Tensor, *, n_samples_per_prompt: int) -> Tensor:
+    """R − mean(R) over the whole step's batch, groups or not (FlashREINFORCE, OpenRLHF
+    0.11's ``flash_reinforce``: one sample per prompt has no group to compare within). Computed
+    in float64, shifted by the first reward as the group baselines are. (B,) → (B,)."""
+    r = _checks.floating("rewards", rewards, ndim=1).detach().to(torch.float64)
+    _checks.group_size("n_samples_per_prompt", n_samples_per_prompt, batch=r.shape[0])
+    r = r - r[:1]
+    return (r - r.mean()).to(rewards.dtype)
+
+
+GROUPLESS_BASELINES = frozenset({"none", "batch_mean"})
+"""Baselines that do not compare the samples of a prompt with each other."""
+
+
 def _token_inputs(token_rewards: Tensor, action_mask: Tensor) -> tuple[Tensor, Tensor]:
     r = _checks.floating("token_rewards", token_rewards, ndim=2).detach()
     m = _checks.mask("action_mask", action_mask, like=r, like_name="token_rewards")
@@ -196,6 +211,12 @@ class EstimatorSpec:
     @property
     def needs_groups(self) -> bool:
         """The baseline compares the samples of a prompt (n_samples_per_prompt >= 2)."""
+        return self.baseline not in GROUPLESS_BASELINES
+
+    @property
+    def subtracts_baseline(self) -> bool:
+        """A baseline is taken from each sample's one scalar reward (so per-turn rewards on
+        tokens cannot go through it)."""
         return self.baseline != "none"
 
 
@@ -214,6 +235,9 @@ ADVANTAGE_ESTIMATORS.register("group_norm", "grpo")(
 ADVANTAGE_ESTIMATORS.register("dr_grpo")(
     EstimatorSpec("mean", "returns", whiten=False, unit_gamma=True)
 )
+ADVANTAGE_ESTIMATORS.register("flash_reinforce")(
+    EstimatorSpec("batch_mean", "returns", whiten=False, unit_gamma=True)
+)
 
 
 @dataclass(frozen=True)
@@ -222,10 +246,14 @@ class AdvantageConfig:
 
     Attributes:
         estimator: Name in `ADVANTAGE_ESTIMATORS`: gae, reinforce, reinforce_baseline, rloo,
-            group_norm (alias grpo), dr_grpo.
+            group_norm (alias grpo), dr_grpo, flash_reinforce (R minus the batch's mean reward,
+            no whitening: for one sample per prompt).
         gamma: Discount γ; group estimators use γ = 1 regardless.
         lam: GAE λ (``gae`` only).
         whiten: Global masked whitening; None uses the estimator's default from the table.
+        std_norm: Whitening divides by the std; False only centres (x − μ), OpenRLHF's
+            ``--algo.advantage.no_std_norm``. Group baselines (group_norm) are not whitening
+            and keep their std.
         reward_clip: Clamp range for the scalar reward after the group baseline; None disables.
     """
 
@@ -233,6 +261,7 @@ class AdvantageConfig:
     gamma: float = 1.0
     lam: float = 0.95
     whiten: bool | None = None
+    std_norm: bool = True
     reward_clip: tuple[float, float] | None = (-10.0, 10.0)
 
     @property
@@ -321,7 +350,7 @@ def compute_advantages(
         adv = returns
     whiten = spec.whiten if config.whiten is None else config.whiten
     if whiten:
-        adv = masked_whiten(adv, action_mask, stats=whiten_stats)
+        adv = masked_whiten(adv, action_mask, scale_std=config.std_norm, stats=whiten_stats)
     m = action_mask.to(adv.dtype)
     metrics = {
         "advantages/mean": masked_mean(adv, m).detach(),

@@ -9,6 +9,12 @@ With x = logπ − logπ_ref on tokens sampled from π (Schulman, "Approximating
   KL(π‖π_ref); as a loss its expected gradient is ∇KL(π_ref‖π). verl additionally clamps
   low_var_kl to [−10, 10]; here x is clamped to ±20 before exp and the result is not clamped.
 
+As a loss, ``unbiased_gradient`` keeps the estimator's value but gives every estimator the
+gradient of the reverse KL itself, importance-weighted for the samples of π_old (the rollout
+policy of a later mini-batch): ∇ = w·x·∇logπ with w = π/π_old (detached, at most
+`KL_IS_WEIGHT_CLIP`), through the surrogate w·x²/2 (OpenRLHF 0.11's
+``--algo.kl.unbiased_gradient``).
+
 Controllers (arXiv 1909.08593): fixed β, or adaptive β ← β·(1 + clip(KL/target − 1, −0.2, 0.2)·
 n_steps/horizon).
 """
@@ -26,6 +32,7 @@ from rlhf.algos import _checks
 from rlhf.algos.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
+KL_IS_WEIGHT_CLIP = 10.0
 
 # Family signature: fn(log_ratio: (B, T)) -> (B, T), log_ratio = logπ − logπ_ref
 KLEstimator = Callable[[Tensor], Tensor]
@@ -57,6 +64,8 @@ def kl_penalty(
     ref_logprobs: Tensor,
     action_mask: Tensor,
     estimator: str = "k1",
+    unbiased_gradient: bool = False,
+    old_logprobs: Tensor | None = None,
 ) -> Tensor:
     """Per-token KL estimate, 0 outside the action mask.
 
@@ -65,6 +74,10 @@ def kl_penalty(
         ref_logprobs: (B, T) reference log-probs of the same tokens (detached here).
         action_mask: (B, T).
         estimator: Name in `KL_ESTIMATORS`.
+        unbiased_gradient: Keep the estimator's value, take the gradient w·x·∇logπ (see the
+            module docstring).
+        old_logprobs: (B, T) log-probs of the policy that sampled the tokens, for w; None: the
+            samples are the current policy's (w = 1).
 
     Returns:
         (B, T), float32 for half-precision inputs.
@@ -73,9 +86,19 @@ def kl_penalty(
     ref = _checks.floating("ref_logprobs", ref_logprobs)
     _checks.same_shape("logprobs", lp, ref_logprobs=ref)
     m = _checks.mask("action_mask", action_mask, like=lp, like_name="logprobs")
-    log_ratio = _checks.upcast(lp) - _checks.upcast(ref.detach())
     # Masked entries are zeroed before the estimator so a NaN there cannot reach a gradient.
-    return _checks.zero_masked(KL_ESTIMATORS.get(estimator)(_checks.zero_masked(log_ratio, m)), m)
+    log_ratio = _checks.zero_masked(_checks.upcast(lp) - _checks.upcast(ref.detach()), m)
+    value = KL_ESTIMATORS.get(estimator)(log_ratio)
+    if unbiased_gradient:
+        weight = torch.ones_like(log_ratio)
+        if old_logprobs is not None:
+            old = _checks.floating("old_logprobs", old_logprobs)
+            _checks.same_shape("logprobs", lp, old_logprobs=old)
+            own = _checks.zero_masked(_checks.upcast(lp.detach()) - _checks.upcast(old), m)
+            weight = own.exp().clamp(max=KL_IS_WEIGHT_CLIP)
+        surrogate = weight.detach() * 0.5 * log_ratio.square()
+        value = value.detach() + (surrogate - surrogate.detach())
+    return _checks.zero_masked(value, m)
 
 
 @dataclass(frozen=True)
@@ -86,6 +109,9 @@ class KLConfig:
         init_coef: Initial β (OpenRLHF's ``--init_kl_coef``); 0 disables the KL term.
         estimator: Name in `KL_ESTIMATORS`.
         use_loss: True puts β·aggregate(kl) in the loss; False puts −β·kl in the reward.
+        unbiased_gradient: As a loss, the estimator's value with the importance-weighted
+            reverse-KL gradient (`kl_penalty`); without ``use_loss`` the KL is in the reward,
+            which has no gradient, and this changes nothing (as in OpenRLHF).
         controller: ``fixed`` or ``adaptive``.
         target: Target KL of the adaptive controller.
         horizon: Horizon (in samples) of the adaptive controller.
@@ -94,6 +120,7 @@ class KLConfig:
     init_coef: float = 0.01
     estimator: str = "k1"
     use_loss: bool = False
+    unbiased_gradient: bool = False
     controller: str = "fixed"
     target: float | None = None
     horizon: int = 10000

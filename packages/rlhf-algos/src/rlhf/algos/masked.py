@@ -77,6 +77,7 @@ def masked_whiten(
     mask: Tensor,
     *,
     shift_mean: bool = True,
+    scale_std: bool = True,
     stats: WhitenStats | None = None,
 ) -> Tensor:
     """Whitening over every valid element of the batch: (x − μ)/sqrt(max(σ², 1e-8)).
@@ -89,6 +90,7 @@ def masked_whiten(
         values: (B, T) float.
         mask: (B, T).
         shift_mean: If False, only divide by σ (the mean is added back), as in some PPO variants.
+        scale_std: If False, only subtract μ (x − μ: OpenRLHF's ``--algo.advantage.no_std_norm``).
         stats: Pre-reduced global statistics (see `whiten_stats`) for whitening a batch that is
             split across ranks; None uses this batch alone.
 
@@ -100,7 +102,7 @@ def masked_whiten(
     count = s.count.clamp(min=1.0)
     mean = s.total / count
     var = (s.total_sq / count - mean * mean).clamp(min=0.0)
-    scale = torch.rsqrt(var.clamp(min=WHITEN_VAR_EPS))
+    scale = torch.rsqrt(var.clamp(min=WHITEN_VAR_EPS)) if scale_std else torch.ones_like(var)
     out = (values - mean.to(values.dtype)) * scale.to(values.dtype)
     if not shift_mean:
         out = out + mean.to(values.dtype)

@@ -18,6 +18,9 @@ class ModelConfig:
         kind: One of `ROLE_KINDS`.
         dtype: ``float32`` or ``bfloat16`` (training keeps fp32 master weights either way).
         gradient_checkpointing: Recompute activations in the backward pass.
+        gradient_checkpointing_reentrant: Recompute with torch's reentrant checkpoint (the
+            whole layer again, inputs made to require gradients) instead of the non-reentrant
+            one (default; it stops once the saved tensors are back). The steps are the same.
         attn_implementation: transformers attention backend (``sdpa``, ``eager``,
             ``flash_attention_2``).
         packing_samples: Run micro-batches padding-free: the real tokens of all rows go end to
@@ -42,6 +45,7 @@ class ModelConfig:
     kind: str = "causal_lm"
     dtype: str = "float32"
     gradient_checkpointing: bool = False
+    gradient_checkpointing_reentrant: bool = False
     attn_implementation: str = "sdpa"
     packing_samples: bool = False
     chunked_lm_head: bool = False

@@ -73,7 +73,9 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
     if config.lora_rank:
         model = _with_lora(model, config)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": config.gradient_checkpointing_reentrant}
+        )
         model.config.use_cache = False
     return model
 

@@ -106,6 +106,8 @@ class PPOActorObjective:
                 ref_logprobs=batch["ref_logprobs"],
                 action_mask=mask,
                 estimator=algo.kl.estimator,
+                unbiased_gradient=algo.kl.unbiased_gradient,
+                old_logprobs=old,
             )
             kl_loss = aggregate_loss(kl, mask, **agg)
             loss = loss + self.kl_coef * kl_loss

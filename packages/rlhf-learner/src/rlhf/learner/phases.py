@@ -241,6 +241,7 @@ def ppo_update(
     ppo_epochs: int = 1,
     train_batch_size: int = 0,
     micro: MicroBatching = WHOLE_ROWS,
+    train_actor: bool = True,
 ) -> dict[str, float]:
     """PPO epochs over ``experience``: per mini-batch one actor step
     (`PPOActorObjective`) and, with a ``critic``, one critic step (`CriticObjective`).
@@ -256,13 +257,17 @@ def ppo_update(
         train_batch_size: Samples per optimizer step (a multiple of the group size keeps
             groups whole); 0 takes the whole experience in one step.
         micro: How the roles split each mini-batch.
+        train_actor: False updates the critic alone (the actor is frozen while the critic
+            warms up); needs a critic.
 
     Returns:
         The last step's metrics: ``actor/*`` (``actor/loss``, ``actor/grad_norm``,
-        ``actor/lr``, the objective's), ``critic/*`` with a critic.
+        ``actor/lr``, the objective's) when the actor trains, ``critic/*`` with a critic.
     """
     if ppo_epochs < 1:
         raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
+    if not train_actor and critic is None:
+        raise ValueError("train_actor=False needs a critic: nothing would train")
     batch = experience.batch()
     per_step = train_batch_size or batch.size
     split = {"max_rows": micro.max_rows, "max_tokens": micro.max_tokens}
@@ -275,11 +280,12 @@ def ppo_update(
                     part["action_mask"], mode=algo.loss_agg_mode, max_len=algo.loss_agg_max_len
                 )
             )
-            objective = PPOActorObjective(
-                algo=algo, normalizer=norm, kl_coef=kl_coef, temperature=temperature
-            )
-            out = actor.train_step(part, objective, **split)
-            metrics.update({f"actor/{k}" if "/" not in k else k: v for k, v in out.items()})
+            if train_actor:
+                objective = PPOActorObjective(
+                    algo=algo, normalizer=norm, kl_coef=kl_coef, temperature=temperature
+                )
+                out = actor.train_step(part, objective, **split)
+                metrics.update({f"actor/{k}" if "/" not in k else k: v for k, v in out.items()})
             if critic is not None:
                 out = critic.train_step(part, CriticObjective(algo=algo, normalizer=norm), **split)
                 metrics.update({f"critic/{k}" if "/" not in k else k: v for k, v in out.items()})

@@ -81,7 +81,9 @@ def build_on_meta(config: ModelConfig, *, dtype: torch.dtype) -> torch.nn.Module
     if not _stored_names(model) <= stored:
         return None
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": config.gradient_checkpointing_reentrant}
+        )
         model.config.use_cache = False
     return model
 

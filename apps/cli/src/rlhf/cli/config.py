@@ -451,6 +451,12 @@ class CkptConfig:
         export_hf: Export the final policy as a transformers checkpoint (run_dir/final; with
             ``--actor.optimizer.ema_decay``, its exponential moving average beside it in
             run_dir/final_ema).
+        save_state: Saves write the resumable state (learner and optimizer states, the run's
+            position); False writes none (OpenRLHF's ``--ckpt.disable_ds``), leaving only
+            what ``save_hf`` exports.
+        save_hf: Every save also exports the policy (its EMA with ``ema_decay``) as a
+            transformers folder, run_dir/hf_checkpoints/step_<N>, the ``keep`` newest kept
+            (OpenRLHF's ``--ckpt.save_hf``).
     """
 
     save_steps: int = 0
@@ -458,6 +464,8 @@ class CkptConfig:
     load_enable: bool | Literal["auto"] = False
     allow_config_change: str = ""
     export_hf: bool = True
+    save_state: bool = True
+    save_hf: bool = False
 
     @property
     def allowed_changes(self) -> set[str]:

@@ -51,6 +51,7 @@ from rlhf.cli.sync import (
     open_transport,
     report,
 )
+from rlhf.cli.trainer_state import save_hf_at
 from rlhf.learner import MicroBatching, make_experience, ppo_update
 from rlhf.rollout import EngineDiedError
 
@@ -416,14 +417,24 @@ class RLDriver:
             "queue": [r.to_state() for r in queue],
             "shape": run_shape(self.config),
         }
-        keep = self.config.ckpt.keep
+        ckpt, actor = self.config.ckpt, self.roles.actor
         self.enter("training", record=False)  # DeepSpeed saves the states from the device
-        path = self.roles.actor.save(str(self.ckpt_root), step + 1, client_state=state, keep=keep)
-        if self.roles.critic is not None:
-            critic_root = str(self.ckpt_root / "critic")
-            self.roles.critic.save(critic_root, step + 1, client_state=state, keep=keep)
+        if ckpt.save_state:
+            path = actor.save(str(self.ckpt_root), step + 1, client_state=state, keep=ckpt.keep)
+            if self.roles.critic is not None:
+                critic_root = str(self.ckpt_root / "critic")
+                self.roles.critic.save(critic_root, step + 1, client_state=state, keep=ckpt.keep)
+            self.echo(f"[ckpt] {path}")
+        if ckpt.save_hf:
+            ema = self.config.actor.optimizer.ema_decay is not None
+            path = save_hf_at(
+                lambda directory: actor.export_hf(directory, ema=ema),
+                run_dir=self.ckpt_root.parent,
+                step=step + 1,
+                keep=ckpt.keep,
+            )
+            self.echo(f"[ckpt] {path}")
         self.enter("generation", record=False)
-        self.echo(f"[ckpt] {path}")
 
     def resume(self, latest: pathlib.Path) -> tuple[int, list[Rollout]]:
         """Restore the checkpoint ``latest`` (`rlhf.cli.resume.check_resume`'s choice): the

@@ -30,6 +30,7 @@ from rlhf.cli.trainer_state import (
     check_resume,
     open_trainer_sinks,
     rows_crc32,
+    save_hf_at,
     saves_at,
     steps_of_epochs,
     trainer_state,
@@ -223,7 +224,8 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
 
     def eval_loss() -> float:
         """The held-out rows' token-mean NLL under the current weights."""
-        assert held is not None and group is not None
+        assert held is not None
+        assert group is not None
         logps = per_sequence(group, held, sequence_logps, micro)
         return float(-logps.sum() / held["loss_mask"].sum())
 
@@ -292,9 +294,18 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             if step == start + 1 or step % 50 == 0 or step == config.num_steps:
                 echo(f"[sft] step {step} loss {out['loss']:.4f}")
             if saves_at(step, ckpt=config.ckpt, num_steps=config.num_steps):
-                state = trainer_state(command="sft", step=step, shape=config.shape, order=order)
-                path = group.save(str(ckpt_root), step, client_state=state, keep=config.ckpt.keep)
-                echo(f"[ckpt] {path}")
+                if config.ckpt.save_state:
+                    state = trainer_state(command="sft", step=step, shape=config.shape, order=order)
+                    path = group.save(
+                        str(ckpt_root), step, client_state=state, keep=config.ckpt.keep
+                    )
+                    echo(f"[ckpt] {path}")
+                if config.ckpt.save_hf:
+                    path = save_hf_at(
+                        group.export_hf, run_dir=run_dir, step=step, keep=config.ckpt.keep
+                    )
+                    tokenizer.save_pretrained(path)
+                    echo(f"[ckpt] {path}")
         if evals:
             echo(f"[sft] held-out loss {evals[0]:.4f} -> {evals[-1]:.4f}")
         if config.ckpt.export_hf:

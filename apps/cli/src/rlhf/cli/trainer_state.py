@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import pathlib
 import random
+import shutil
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from rlhf.cli.config import CkptConfig, ConfigError, TrainConfig
@@ -195,6 +196,26 @@ def saves_at(step: int, *, ckpt: CkptConfig, num_steps: int) -> bool:
     """Whether the run checkpoints after ``step`` (1-based): every ``--ckpt.save_steps`` and
     after the last step, as the RL command does."""
     return bool(ckpt.save_steps and step % ckpt.save_steps == 0) or step == num_steps
+
+
+HF_SAVES = "hf_checkpoints"
+"""Where ``--ckpt.save_hf`` exports go under the run directory."""
+
+
+def save_hf_at(
+    export: Callable[[str], None], *, run_dir: pathlib.Path, step: int, keep: int
+) -> pathlib.Path:
+    """``--ckpt.save_hf``: ``export(directory)`` (an atomic transformers export) to
+    ``run_dir/hf_checkpoints/step_<step>``, keeping the ``keep`` newest (0: all)."""
+    root = run_dir / HF_SAVES
+    path = root / f"step_{step}"
+    export(str(path))
+    if keep > 0:
+        saved = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()]
+        saved.sort(key=lambda p: int(p.name.removeprefix("step_")))
+        for old in saved[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
 
 
 class SinkFlags(Protocol):

@@ -21,6 +21,11 @@ class ModelConfig:
         gradient_checkpointing_reentrant: Recompute with torch's reentrant checkpoint (the
             whole layer again, inputs made to require gradients) instead of the non-reentrant
             one (default; it stops once the saved tensors are back). The steps are the same.
+        use_liger_kernel: Run the decoder's RMSNorm, SwiGLU MLP and rotary embedding as
+            Liger's Triton kernels (CUDA GPUs, ``pip install liger-kernel``; OpenRLHF's
+            ``--ds.use_liger_kernel``). The log-probs are computed from the logits as without
+            it (Liger's fused cross-entropy is not used). Liger patches transformers' module
+            of the model family in the rank's process.
         attn_implementation: transformers attention backend (``sdpa``, ``eager``,
             ``flash_attention_2``).
         packing_samples: Run micro-batches padding-free: the real tokens of all rows go end to
@@ -46,6 +51,7 @@ class ModelConfig:
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     gradient_checkpointing_reentrant: bool = False
+    use_liger_kernel: bool = False
     attn_implementation: str = "sdpa"
     packing_samples: bool = False
     chunked_lm_head: bool = False
@@ -157,6 +163,14 @@ class DeepSpeedConfig:
             graph. Training roles on CUDA GPUs, ZeRO stage 1–3 (stage 2 in bf16 only),
             ``tp_size`` 1, one micro-batch per rank and optimizer step (DeepCompile's
             accumulation over several was measured wrong); an eval-only role runs uncompiled.
+        hpz_partition_size: ZeRO++ hierarchical partitioning (hpZ, DeepSpeed's
+            ``zero_hpz_partition_size``; OpenRLHF's ``--ds.zpg``): ZeRO-3 keeps a secondary
+            copy of the parameters partitioned over groups of this many ranks (on one node), so
+            the forward/backward all-gathers stay inside a group; it must divide the ranks.
+            1: off.
+        grad_accum_dtype: The dtype DeepSpeed accumulates gradients in (``fp32``, ``bf16``,
+            ``fp16``; DeepSpeed's ``data_types.grad_accum_dtype``, OpenRLHF's
+            ``--ds.grad_accum_dtype``); None: DeepSpeed's default, the model's dtype.
     """
 
     zero_stage: int = 2
@@ -166,8 +180,24 @@ class DeepSpeedConfig:
     ring_attn_size: int = 1
     tp_size: int = 1
     deepcompile: bool = False
+    hpz_partition_size: int = 1
+    grad_accum_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.hpz_partition_size < 1:
+            raise ValueError(
+                f"deepspeed.hpz_partition_size must be >= 1, got {self.hpz_partition_size}"
+            )
+        if self.hpz_partition_size > 1 and self.zero_stage != 3:
+            raise ValueError(
+                f"deepspeed.hpz_partition_size {self.hpz_partition_size} partitions ZeRO-3's "
+                "parameters: set deepspeed.zero_stage 3, or hpz_partition_size 1"
+            )
+        if self.grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(
+                f"deepspeed.grad_accum_dtype must be fp32, bf16 or fp16, got "
+                f"{self.grad_accum_dtype!r}"
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.offload_params and self.zero_stage != 3:

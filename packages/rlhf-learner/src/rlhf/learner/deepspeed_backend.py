@@ -95,6 +95,7 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if ds.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+        zero["zero_hpz_partition_size"] = ds.hpz_partition_size
     opt = config.optimizer
     clip = 0.0 if opt is None or _owns_clipping(config) else opt.grad_clip
     compiled = _compiled(config)
@@ -103,6 +104,8 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
         extra["tensor_parallel"] = autotp_section(ds.tp_size)
     if compiled:
         extra["compile"] = {"deepcompile": True}
+    if ds.grad_accum_dtype is not None:
+        extra["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     return {
         **extra,
         "train_micro_batch_size_per_gpu": 1,

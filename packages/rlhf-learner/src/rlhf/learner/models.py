@@ -70,6 +70,8 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+    if config.use_liger_kernel:
+        apply_liger_kernels(model)
     if config.lora_rank:
         model = _with_lora(model, config)
     if config.gradient_checkpointing:
@@ -78,6 +80,30 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
         )
         model.config.use_cache = False
     return model
+
+
+def apply_liger_kernels(model: torch.nn.Module) -> None:
+    """Liger's RMSNorm, SwiGLU and rotary kernels in ``model`` (``model.use_liger_kernel``),
+    its fused cross-entropy left out: the learner reads log-probs from the logits."""
+    try:
+        from liger_kernel.transformers.monkey_patch import (  # pyright: ignore[reportMissingImports]
+            MODEL_TYPE_TO_APPLY_LIGER_FN,
+            _apply_liger_kernel_to_instance,
+        )
+    except ImportError as exc:
+        raise ImportError(
+            f"model.use_liger_kernel needs Liger's kernels, which do not import here ({exc}): "
+            "pip install 'rlhf-learner[liger]' (Triton kernels, CUDA GPUs)"
+        ) from exc
+    family = getattr(model.config, "model_type", None)
+    if family not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ValueError(
+            f"model.use_liger_kernel: Liger has no kernels for {family!r} models; it has them "
+            f"for {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}"
+        )
+    _apply_liger_kernel_to_instance(
+        model=model, fused_linear_cross_entropy=False, cross_entropy=False
+    )
 
 
 def _with_lora(model: torch.nn.Module, config: ModelConfig) -> PeftModel:

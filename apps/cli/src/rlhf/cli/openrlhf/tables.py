@@ -19,7 +19,6 @@ from rlhf.cli.openrlhf.entries import (
     Entry,
     Gathered,
     Notice,
-    Refused,
     Row,
     Same,
     alias,
@@ -49,8 +48,9 @@ def _common_rows(
 ) -> list[Row]:
     """The checkpoint, logging and DeepSpeed flags every training entry point has, onto the
     fields ``deepspeed(name)`` / ``model(name)`` / ``lora(name)`` (of `DeepSpeedConfig` and
-    `ModelConfig`; LoRA defaults to the model's), the ring-attention fields ``ring``, and the
-    logging fields under ``top`` (``train.`` for RL, nothing for sft/rm/dpo)."""
+    `ModelConfig`; ``lora``, the policy's, also takes Liger, and defaults to ``model``), the
+    ring-attention fields ``ring``, and the logging fields under ``top`` (``train.`` for RL,
+    nothing for sft/rm/dpo)."""
     lora = lora or model
     wandb = "wandb_key" if top else "wandb_key_top"
     rows = [
@@ -59,12 +59,11 @@ def _common_rows(
             "checkpoints go to <--run_dir>/checkpoints (--ckpt.output_dir sets --run_dir)")),
         Row("ckpt.save_steps", "one", alias("ckpt.save_steps", values=never_at_minus_one,
             default="-1 (OpenRLHF's never) is 0 here: only the last step's checkpoint")),
-        Row("ckpt.save_hf", "switch", alias("ckpt.export_hf",
-            default="on here (OpenRLHF off): the final model is exported as a transformers "
-            "folder")),
-        Row("ckpt.disable_ds", "switch", Refused(
-            "checkpoints here always carry the optimizer and the run's state (that is what "
-            "--ckpt.load_enable resumes); --ckpt.save_hf adds the HF export")),
+        Row("ckpt.save_hf", "switch", Same(
+            default="its exports go to <--run_dir>/hf_checkpoints/step_<N>, the "
+            "--ckpt.max_num newest kept (OpenRLHF keeps every one)")),
+        Row("ckpt.disable_ds", "switch", alias("ckpt.save_state",
+            values={"True": "False", "False": "True"})),
         Row("ckpt.max_num", "one", alias("ckpt.keep", default="2 here (OpenRLHF 3)")),
         Row("ckpt.max_mem", "one", Notice(
             "checkpoints are bounded by count (--ckpt.max_num / --ckpt.keep), not by size")),
@@ -85,13 +84,12 @@ def _common_rows(
         Row("ds.deepcompile", "switch", alias(*deepspeed("deepcompile"))),
         Row("ds.param_dtype", "one", alias(*deepspeed("bf16"), values=DTYPE_BF16,
             default="fp32 here (bf16 on CPUs is slow); --ds.param_dtype bf16 turns it on")),
-        Row("ds.zpg", "one", only("ds.zpg", "1", "ZeRO++ partitions are not built")),
+        Row("ds.zpg", "one", alias(*deepspeed("hpz_partition_size"))),
         Row("ds.adam_offload", "switch", alias(*deepspeed("offload_optimizer"))),
         Row("ds.attn_implementation", "one", alias(*model("attn_implementation"),
             default="sdpa here (flash-attn is not installed with rlhf)")),
         Row("ds.experts_implementation", "one", MOE),
-        Row("ds.grad_accum_dtype", "one", Refused(
-            "gradients accumulate in the master weights' fp32 here")),
+        Row("ds.grad_accum_dtype", "one", alias(*deepspeed("grad_accum_dtype"))),
         Row("ds.overlap_comm", "switch", Notice(
             "DeepSpeed's default communication overlap is kept")),
         Row("ds.tensor_parallel_size", "one", alias(*deepspeed("tp_size"))),
@@ -109,14 +107,8 @@ def _common_rows(
             "the tokenizer's fast version is used")),
         Row("use_ms", "switch", off("use_ms", "models load from local folders or the HF hub")),
     ]  # fmt: skip
-    if liger:
-        rows.append(
-            Row(
-                "ds.use_liger_kernel",
-                "switch",
-                off("ds.use_liger_kernel", "Liger kernels are not built"),
-            )
-        )
+    if liger:  # the policy's (as OpenRLHF's actor; its critic and reward model have none)
+        rows.append(Row("ds.use_liger_kernel", "switch", alias(*lora("use_liger_kernel"))))
     return rows
 
 

@@ -154,3 +154,52 @@ def test_an_openai_client_agent_trains(assets, tmp_path) -> None:
     for r in steps:
         assert r["reward/mean"] in [k / 16 for k in range(17)]  # 0/1 per episode
         assert r["rollout/response_length_mean"] >= 1  # the agent's completion was trained on
+
+
+USER_FILES = {
+    "raises.py": 'raise RuntimeError("boom at import")\ndef reward_func(q, p, l):\n    return [0.0]\n',
+    "needs_arg.py": (
+        "class Environment:\n"
+        "    def __init__(self, difficulty):\n"
+        "        self.difficulty = difficulty\n"
+        "    def reset(self, prompt, label):\n"
+        "        return prompt\n"
+        "    def step(self, action):\n"
+        "        return {'observation': '', 'reward': 0.0, 'done': True}\n"
+    ),
+    "chat_agent.py": "def agent(base_url, prompt, label):\n    return 0.0\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "message"),
+    [
+        ("--train.reward_func", "raises.py", r"the reward file .*raises\.py: .*boom at import"),
+        ("--train.agent_func_path", "needs_arg.py", r"needs_arg\.py: .*__init__\(difficulty\) "
+         r"cannot be called .* once per sample with no arguments .* give its parameters defaults"),
+        ("--train.agent_func_path", "chat_agent.py", r"chat_agent\.py is an OpenAI-client agent"
+         r".* the tokenizer of --actor\.model\.path has none"),
+    ],
+)  # fmt: skip
+def test_user_files_are_checked_before_anything_starts(assets, tmp_path, flag, name, message):
+    from rlhf.cli.config import ConfigError
+    from rlhf.cli.main import parse_rl
+    from rlhf.cli.sampling import check_user_files
+
+    (tmp_path / name).write_text(USER_FILES[name])
+    args = _train_args(assets, tmp_path / "run")
+    if flag in args:
+        del args[args.index(flag) : args.index(flag) + 2]
+    config = parse_rl("grpo", [*args, flag, str(tmp_path / name)])
+    with pytest.raises(ConfigError, match=message):
+        check_user_files(config.validate().with_absolute_paths())
+
+
+def test_a_reward_file_that_fails_to_import_exits_2_before_ray_starts(assets, tmp_path):
+    (tmp_path / "raises.py").write_text(USER_FILES["raises.py"])
+    args = _train_args(assets, tmp_path / "run")
+    args[args.index("--train.reward_func") + 1] = str(tmp_path / "raises.py")
+    out = rlhf("train", "grpo", *args)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "boom at import" in out.stderr and "Traceback" not in out.stderr
+    assert "Ray" not in out.stdout + out.stderr  # nothing started

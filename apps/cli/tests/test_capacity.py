@@ -90,6 +90,21 @@ def test_a_config_without_a_field_or_with_experts_is_refused_by_name(tmp_path):
         ModelShape.read(tmp_path / "missing", flag="--actor.model.path")
 
 
+def test_a_config_json_that_is_no_object_or_cut_short_is_named(tmp_path):
+    from rlhf.learner import ModelLoadError, check_model_dir
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    for text, shape, load in (
+        ("[1, 2]", r"config\.json holds a JSON list, not the object", r"holds a JSON list"),
+        (json.dumps(TINY)[:20], r"cannot read .*config\.json: .*cut short", r"not valid JSON"),
+    ):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=shape):  # the capacity plan (--dry_run)
+            ModelShape.read(tmp_path, flag="--actor.model.path")
+        with pytest.raises(ModelLoadError, match=load):  # a run's model check
+            check_model_dir(str(tmp_path))
+
+
 def _resident_bytes(backend) -> int:
     """Bytes of every distinct storage the rank keeps between steps: its parameters (their
     ZeRO-3 partitions), everything its optimizer holds, and ZeRO's flat buffers."""

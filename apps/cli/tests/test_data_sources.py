@@ -299,6 +299,14 @@ def _write(name: str, text: str) -> Callable[[pathlib.Path], pathlib.Path]:
     return write
 
 
+def _write_bytes(name: str, raw: bytes) -> Callable[[pathlib.Path], pathlib.Path]:
+    def write(root: pathlib.Path) -> pathlib.Path:
+        (root / name).write_bytes(raw)
+        return root / name
+
+    return write
+
+
 def _dataset_dict_without_splits(root: pathlib.Path) -> pathlib.Path:
     import datasets
 
@@ -332,6 +340,10 @@ def _not_a_dataset_dir(root: pathlib.Path) -> pathlib.Path:
             r"rows\.csv: use \.json, \.jsonl, \.parquet or a saved HF dataset",
         ),
         (_write("fake.parquet", "not parquet"), r"fake\.parquet is not a readable parquet file"),
+        (  # line 1 is 29 bytes; "é" in Latin-1 (0xE9) is byte 14 of line 2
+            _write_bytes("latin1.jsonl", b'{"input": "1", "label": "1"}\n{"input": "caf\xe9"}\n'),
+            r"latin1\.jsonl:2 is not UTF-8 text \(byte 43: b'\\xe9', invalid continuation byte\)",
+        ),
         (_write("empty.jsonl", "\n"), r"data source '.*empty\.jsonl' has no rows"),
         (lambda root: root / "missing.jsonl", r"data source '.*missing\.jsonl' does not exist"),
         (_dataset_dict_without_splits, r"no_splits is a saved DatasetDict without splits"),
@@ -383,3 +395,13 @@ def test_a_package_that_fails_to_import_is_told_apart(tmp_path, monkeypatch) -> 
     )
     with pytest.raises(DataSourceError, match=message):
         read_rows(str(path))
+
+
+def test_a_trainer_dataset_without_rows_is_named(tmp_path) -> None:
+    from rlhf.cli.preference import PreferenceConfig
+    from rlhf.cli.trainer_state import training_rows
+
+    (tmp_path / "empty.jsonl").write_text("\n")
+    config = PreferenceConfig(dataset=str(tmp_path / "empty.jsonl"))
+    with pytest.raises(DataSourceError, match=r"--dataset .*empty\.jsonl has no rows to train on"):
+        training_rows(config)

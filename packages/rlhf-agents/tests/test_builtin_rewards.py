@@ -45,6 +45,21 @@ def test_answers_equal(a, b, equal) -> None:
     assert answers_equal(a, b) is equal
 
 
+def test_the_names_list_every_reward_function_of_the_module() -> None:
+    import inspect
+
+    from rlhf.agents import builtin_rewards
+
+    rewards = {
+        name
+        for name, f in vars(builtin_rewards).items()
+        if inspect.isfunction(f)
+        and f.__module__ == builtin_rewards.__name__
+        and list(inspect.signature(f).parameters)[:3] == ["queries", "prompts", "labels"]
+    }
+    assert set(builtin_rewards.NAMES) == rewards
+
+
 def test_reward_functions_use_responses_when_given() -> None:
     responses = ["\\boxed{7}", "7", "\\boxed{1}\\boxed{7}"]
     kw = {"responses": responses}

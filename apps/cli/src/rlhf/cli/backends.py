@@ -6,6 +6,7 @@ every rank's process; the concrete backends are imported only there and when cho
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -88,6 +89,7 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
         problems += _liger_problems(role, flag=flag)
     if role.backend == "deepspeed":
         problems += _deepspeed_problems(role, flag=flag)
+        problems += _unread_fsdp_problems(role, flag=flag)
     if role.backend != "molt":
         return problems
     try:
@@ -107,6 +109,23 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
             "vocabulary; use one of the two"
         )
     return problems
+
+
+def _unread_fsdp_problems(role: RoleConfig, *, flag: str) -> list[str]:
+    """``--{flag}.fsdp.*`` set while the role runs on DeepSpeed, which never reads them."""
+    default = type(role.fsdp)()
+    given = [
+        f"--{flag}.fsdp.{f.name}"
+        for f in dataclasses.fields(role.fsdp)
+        if getattr(role.fsdp, f.name) != getattr(default, f.name)
+    ]
+    if not given:
+        return []
+    return [
+        f"{', '.join(given)} configure the molt backend, and --{flag}.backend is deepspeed, "
+        f"which does not read them: add --{flag}.backend molt, or drop them (DeepSpeed's own "
+        f"options are --{flag}.deepspeed.*)"
+    ]
 
 
 def _liger_problems(role: RoleConfig, *, flag: str) -> list[str]:

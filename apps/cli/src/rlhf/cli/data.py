@@ -58,9 +58,24 @@ def _import(module: str, *, path: pathlib.Path) -> Any:
         raise DataSourceError(f"reading {path} needs {package}: {hint}") from None
 
 
+def _text(path: pathlib.Path) -> str:
+    """The file as UTF-8 text, or a `DataSourceError` naming the line and byte offset of the
+    first byte that is not UTF-8."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        byte = raw[exc.start : exc.start + 1]
+        raise DataSourceError(
+            f"{path}:{line} is not UTF-8 text (byte {exc.start}: {byte!r}, {exc.reason}): "
+            "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
 def _jsonl_rows(path: pathlib.Path) -> list[dict[str, Any]]:
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(_text(path).splitlines(), start=1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -71,7 +86,7 @@ def _jsonl_rows(path: pathlib.Path) -> list[dict[str, Any]]:
 
 def _json_rows(path: pathlib.Path) -> list[dict[str, Any]]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(_text(path))
     except json.JSONDecodeError as exc:
         raise DataSourceError(
             f"{path}:{exc.lineno}:{exc.colno} is not valid JSON: {exc.msg}"

@@ -74,8 +74,17 @@ class ModelShape:
                 "the model's config.json; the weights need not be present)"
             ) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{flag}: cannot read {path}: {exc}") from None
-        return cls.from_dict(raw.get("text_config") or raw, where=f"{flag} ({path})")
+            raise ConfigError(
+                f"{flag}: cannot read {path}: {exc} (cut short or not JSON? restore the file "
+                "from the model's source)"
+            ) from None
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{flag}: {path} holds a JSON {type(raw).__name__}, not the object of a "
+                "transformers model config; restore the file from the model's source"
+            )
+        text = raw.get("text_config")
+        return cls.from_dict(text if isinstance(text, dict) else raw, where=f"{flag} ({path})")
 
     @classmethod
     def from_dict(cls, raw: dict[str, object], *, where: str) -> ModelShape:

@@ -39,7 +39,14 @@ from rlhf.cli.plan import plan
 from rlhf.cli.resume import check_resume, run_shape
 from rlhf.cli.revive import enable_revival
 from rlhf.cli.roles import Roles, start_roles
-from rlhf.cli.sampling import Executors, evaluate, generate, staleness, to_samples
+from rlhf.cli.sampling import (
+    Executors,
+    check_user_files,
+    evaluate,
+    generate,
+    staleness,
+    to_samples,
+)
 from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.stopping import Stopped, as_stopped
@@ -91,6 +98,7 @@ def run_rl(
     config = steps_of_episodes(config.validate().with_absolute_paths(), echo=echo)
     for path in config.model_dirs():
         check_model_dir(path)
+    check_user_files(config)
     # Ray's processes start while this one imports and reads the tokenizer and prompts.
     start_ray_early(address=config.ray.address)
     from transformers import AutoTokenizer

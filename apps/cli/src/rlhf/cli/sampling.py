@@ -18,7 +18,9 @@ trajectories, one step's generation with dynamic filtering, and evaluation.
 from __future__ import annotations
 
 import array
+import json
 import os
+import pathlib
 import time
 import zlib
 from collections.abc import Mapping, Sequence
@@ -31,6 +33,7 @@ from rlhf.cli.config import (
     ConfigError,
     EvalConfig,
     RewardConfig,
+    RLConfig,
     RolloutConfig,
     RunError,
     TrainConfig,
@@ -68,16 +71,24 @@ def reward_source(reward: RewardConfig) -> Any:
         return RemoteReward(config)
     if reward.reward_func.startswith("builtin:"):
         name = reward.reward_func.removeprefix("builtin:")
-        func = getattr(builtin_rewards, name, None)
-        if func is None or name.startswith("_"):
+        func = getattr(builtin_rewards, name, None) if name in builtin_rewards.NAMES else None
+        if func is None:
             raise ConfigError(
-                f"--reward.reward_func={reward.reward_func}: no such builtin; use exact_match, "
-                "math_answer or boxed_format, or a Python file"
+                f"--reward.reward_func={reward.reward_func}: no such builtin; use "
+                f"{', '.join(f'builtin:{n}' for n in builtin_rewards.NAMES)}, or a Python file"
             )
         return FunctionReward(
             func, source=reward.reward_func, policy=policy, timeout_s=reward.timeout_s
         )
-    return FunctionReward.from_file(reward.reward_func, policy=policy, timeout_s=reward.timeout_s)
+    try:
+        return FunctionReward.from_file(
+            reward.reward_func, policy=policy, timeout_s=reward.timeout_s
+        )
+    except (OSError, ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(
+            f"the reward file {reward.reward_func}: {exc} (run `python {reward.reward_func}` "
+            "to see the error in full)"
+        ) from None
 
 
 def agent_module(path: str) -> Any:
@@ -114,6 +125,60 @@ def agent_module(path: str) -> Any:
     return module
 
 
+def agent_environments(module: Any, path: str, *, chat_template: bool) -> Any:
+    """The agent file checked against the shape it has, before anything starts: its
+    ``Environment`` class's factory (an instance can be made with no arguments), or, for an
+    OpenAI-client ``agent``, a policy tokenizer with a chat template (``chat_template``) to
+    render its messages; None for other shapes."""
+    from rlhf.agents import EnvironmentFactory
+
+    flag = f"--train.agent_func_path {path}"
+    if module is None or (hasattr(module, "AgentExecutor") and not hasattr(module, "Environment")):
+        return None
+    if hasattr(module, "Environment"):
+        try:
+            return EnvironmentFactory(
+                module.Environment, source=f"environment Environment in {path}"
+            )
+        except TypeError as exc:
+            raise ConfigError(f"{flag}: {exc}") from None
+    if not chat_template:
+        raise ConfigError(
+            f"{flag} is an OpenAI-client agent, whose chat messages are rendered through the "
+            "policy tokenizer's chat template, and the tokenizer of --actor.model.path has "
+            "none: add a chat_template to its tokenizer_config.json (or write the agent as an "
+            "Environment class, which works in tokens)"
+        )
+    return None
+
+
+def has_chat_template(model_path: str) -> bool:
+    """Whether the tokenizer files of ``model_path`` hold a chat template (read from the files,
+    without loading the tokenizer)."""
+    root = pathlib.Path(model_path)
+    if (root / "chat_template.jinja").is_file() or (root / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((root / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def check_user_files(config: RLConfig) -> None:
+    """The run's reward file and agent file imported and checked before Ray or any role
+    starts: a `ConfigError` naming the flag and the file. Imports are cached per file
+    (`rlhf.agents.load_module`), so the executors reuse these modules."""
+    reward = config.resolved_reward()
+    if not reward.remote_url and not reward.reward_func.startswith("builtin:"):
+        reward_source(reward)
+    path = config.train.agent_func_path
+    if path:
+        agent_environments(
+            agent_module(path), path, chat_template=has_chat_template(config.actor.model.path)
+        )
+
+
 class Executors:
     """The executors of a run. Made before anything starts (a bad reward or agent file stops
     the run there); ``generator`` (the engine pool) is set once the engines run.
@@ -136,7 +201,15 @@ class Executors:
         self.agent_step_timeout_s = train.agent_step_timeout_s
         self.agent_policy = (train.agent_failure_policy, train.agent_fallback_value)
         self.agent = agent_module(self.agent_path) if self.agent_path else None
+        self.environments = self._environments(tokenizer)
         self._training: Any = None
+
+    def _environments(self, tokenizer: Any) -> Any:
+        return agent_environments(
+            self.agent,
+            self.agent_path,
+            chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        )
 
     def _sampling(self, temperature: float) -> Any:
         from rlhf.agents import SamplingParams
@@ -172,12 +245,7 @@ class Executors:
         return self._training
 
     def _agent(self) -> Any:
-        from rlhf.agents import (
-            EnvironmentFactory,
-            FailurePolicy,
-            MultiTurnExecutor,
-            OpenAIAgentExecutor,
-        )
+        from rlhf.agents import FailurePolicy, MultiTurnExecutor, OpenAIAgentExecutor
 
         path, module = self.agent_path, self.agent
         assert module is not None  # only called when --train.agent_func_path is set
@@ -200,12 +268,9 @@ class Executors:
                 ),
                 **common,
             )
-        if hasattr(module, "Environment"):
-            factory = EnvironmentFactory(
-                module.Environment, source=f"environment Environment in {path}"
-            )
+        if self.environments is not None:
             return MultiTurnExecutor(
-                environments=factory,
+                environments=self.environments,
                 max_turns=self.agent_max_turns,
                 step_timeout_s=self.agent_step_timeout_s,
                 policy=FailurePolicy(

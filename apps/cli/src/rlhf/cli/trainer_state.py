@@ -51,14 +51,18 @@ class _Epochs(Protocol):
 def training_rows(config: _Epochs) -> list[dict[str, Any]]:
     """The rows a trainer learns from: ``--dataset`` (blended by ``--dataset_probs``), cut
     at ``--max_samples`` (`rlhf.cli.data.dataset_rows`)."""
-    from rlhf.cli.data import dataset_rows
+    from rlhf.cli.data import DataSourceError, dataset_rows
 
-    return dataset_rows(
+    rows = dataset_rows(
         config.dataset,
         probs=config.dataset_probs,
         seed=config.seed,
         max_samples=config.max_samples,
     )
+    if not rows:
+        cut = f" (cut at --max_samples {config.max_samples})" if config.max_samples == 0 else ""
+        raise DataSourceError(f"--dataset {config.dataset} has no rows to train on{cut}")
+    return rows
 
 
 def steps_of_epochs(config: _Epochs, *, echo: Any = print) -> int:

@@ -121,7 +121,14 @@ def reward_file_problems(path: str, *, flag: str) -> list[str]:
 
     file = pathlib.Path(path)
     if file.suffix != ".py":
-        return [f"{flag} {path}: a reward file must be a .py file (or use builtin:<name>)"]
+        from rlhf.agents.builtin_rewards import NAMES as BUILTIN_REWARDS
+
+        if path in BUILTIN_REWARDS:
+            return [f"{flag} {path}: the built-in reward is spelled builtin:{path}"]
+        return [
+            f"{flag} {path}: a reward file must be a .py file (or a built-in: "
+            f"{', '.join(f'builtin:{n}' for n in BUILTIN_REWARDS)})"
+        ]
     if not file.is_file():
         return [f"{flag} {path}: no such file"]
     try:

@@ -185,3 +185,7 @@ def boxed_format(
         float(r.count("\\boxed{") == 1 and last_boxed(r) is not None)
         for r in _responses(queries, prompts, kwargs)
     ]
+
+
+NAMES = ("exact_match", "math_answer", "boxed_format")
+"""The built-in reward functions, as a run names them (``builtin:<name>``)."""

@@ -100,6 +100,26 @@ def coerce_step_result(value: Any, *, source: str) -> StepResult:
     return dataclasses.replace(value, reward=reward, score=score, metrics=metrics)
 
 
+def _check_construction(cls: Callable[..., Any], kwargs: dict[str, Any], *, source: str) -> None:
+    """A `TypeError` naming ``source`` when an instance cannot be made from ``kwargs`` alone
+    (a constructor, or async ``create``, with a parameter that has no default)."""
+    create = getattr(cls, "create", None)
+    maker = create if create is not None and inspect.iscoroutinefunction(create) else cls
+    try:
+        signature = inspect.signature(maker)
+    except (TypeError, ValueError):  # a builtin or C type: nothing to read
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        name = "create" if maker is create else "__init__"
+        raise TypeError(
+            f"{source}: {name}{signature} cannot be called as the executor calls it, once per "
+            f"sample with {sorted(kwargs) or 'no arguments'} ({exc}); give its parameters "
+            "defaults"
+        ) from None
+
+
 class EnvironmentFactory:
     """Makes a fresh environment instance per sample.
 
@@ -124,6 +144,7 @@ class EnvironmentFactory:
         for method in ("reset", "step"):
             if not callable(getattr(cls, method, None)):
                 raise TypeError(f"{source}: the environment class must define {method}()")
+        _check_construction(cls, env_kwargs or {}, source=source)
         self.cls = cls
         self.env_kwargs = dict(env_kwargs or {})
         self.source = source

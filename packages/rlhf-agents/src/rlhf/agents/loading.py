@@ -9,9 +9,13 @@ import sys
 from types import ModuleType
 from typing import Any
 
+_LOADED: dict[str, tuple[tuple[int, int], ModuleType]] = {}
+"""Modules imported by `load_module`, with the (mtime, size) of the file they came from."""
+
 
 def load_module(path: str | pathlib.Path, *, purpose: str) -> ModuleType:
-    """Import the Python file at ``path`` as a private module.
+    """Import the Python file at ``path`` as a private module; a later call for the same,
+    unchanged file returns the same module (its top-level code runs once per process).
 
     Args:
         path: A ``.py`` file.
@@ -22,7 +26,12 @@ def load_module(path: str | pathlib.Path, *, purpose: str) -> ModuleType:
         raise FileNotFoundError(f"{purpose} file {str(path)!r} does not exist (resolved to {file})")
     if file.suffix != ".py":
         raise ValueError(f"{purpose} file {str(file)!r} must be a .py file")
+    stat = file.stat()
+    version = (stat.st_mtime_ns, stat.st_size)
     name = "rlhf_user_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    loaded = _LOADED.get(name)
+    if loaded is not None and loaded[0] == version:  # imported once per process and version
+        return loaded[1]
     spec = importlib.util.spec_from_file_location(name, file)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {purpose} file {str(file)!r}")
@@ -40,6 +49,7 @@ def load_module(path: str | pathlib.Path, *, purpose: str) -> ModuleType:
                 "(the one line an OpenRLHF file changes)"
             )
         raise ImportError(f"importing {purpose} file {str(file)!r} failed: {exc!r}{hint}") from exc
+    _LOADED[name] = (version, module)
     return module
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import operator
 import pathlib
 from collections.abc import Callable, Iterator
@@ -42,6 +43,18 @@ def check_model_dir(path: str) -> pathlib.Path:
         )
     if not (root / "config.json").is_file():
         raise ModelLoadError(f"model path {path!r} has no config.json: not an HF checkpoint")
+    try:
+        raw = json.loads((root / "config.json").read_bytes())
+    except ValueError as exc:  # JSON or UTF-8
+        raise ModelLoadError(
+            f"model path {path!r}: config.json is not valid JSON ({exc}); cut short? restore it "
+            "from the model's source"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(
+            f"model path {path!r}: config.json holds a JSON {type(raw).__name__}, not a "
+            "transformers model config; restore it from the model's source"
+        )
     if not any(root.glob("*.safetensors")) and not any(root.glob("*.bin")):
         raise ModelLoadError(f"model path {path!r} has no weights (*.safetensors)")
     return root
@@ -169,7 +182,6 @@ def merged_parameters(
 
 def checkpoint_names(root: pathlib.Path) -> list[str]:
     """The tensor names a checkpoint directory's ``*.safetensors`` files hold (headers only)."""
-    import json
     import struct
 
     names: list[str] = []

@@ -100,6 +100,8 @@ SAMPLES = {
 """Values of fields whose validation rules out the generic sample."""
 
 CONTEXT = {
+    "actor.model.load_in_4bit": ["--ds.lora.rank", "4"],
+    "model.model.load_in_4bit": ["--ds.lora.rank", "4"],
     "actor.deepspeed.deepcompile": ["--ds.param_dtype", "bf16"],
     "model.deepspeed.deepcompile": ["--ds.param_dtype", "bf16"],
     **{f"{r}.deepspeed.hpz_partition_size": ["--ds.zero_stage", "3"] for r in ("actor", "model")},
@@ -288,6 +290,8 @@ BOOLEAN_CONTEXT = {
     "critic.deepspeed.offload_params": ["--critic.deepspeed.zero_stage", "3"],
     "actor.deepspeed.deepcompile": ["--actor.deepspeed.bf16", "True"],
     "critic.deepspeed.deepcompile": ["--critic.deepspeed.bf16", "True"],
+    "actor.model.load_in_4bit": ["--actor.model.lora_rank", "4"],
+    "critic.model.load_in_4bit": ["--critic.model.lora_rank", "4"],
 }
 """Flags a boolean needs beside it to pass validation when it is True."""
 
@@ -438,7 +442,7 @@ def test_serve_rm_flags_reach_our_fields() -> None:
         ["--reward.model_name_or_path", "/rm", "--ds.param_dtype", "bf16", "--data.max_len", "77"]
     )
     assert (config.model_path, config.dtype, config.max_len) == ("/rm", "bfloat16", 77)
-    with pytest.raises(ConfigError, match="--ds.load_in_4bit True: 4-bit loading is not built"):
+    with pytest.raises(ConfigError, match="--ds.load_in_4bit True: a served reward model loads"):
         parse_serve_rm(["--ds.load_in_4bit"])
 
 
@@ -565,3 +569,17 @@ def test_liger_kernels_are_the_policy_s_and_need_gpus() -> None:
     with pytest.raises(ConfigError, match=r"--actor.model.use_liger_kernel needs GPUs"):
         config.validate()
     assert parse_trainer("sft", ["--ds.use_liger_kernel"]).model.model.use_liger_kernel
+
+
+def test_4bit_loading_is_qlora_and_its_limits_are_named(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_rl("grpo", ["--ds.load_in_4bit"])  # nothing to train on a frozen 4-bit base
+    assert "set model.lora_rank > 0 too" in capsys.readouterr().err
+    qlora = ["--ds.load_in_4bit", "--ds.lora.rank", "4"]
+    config = parse_rl("grpo", qlora)
+    assert config.actor.model.load_in_4bit and not config.critic.model.load_in_4bit
+    with pytest.raises(ConfigError, match=r"load_in_4bit with --train.ref_reward_offload"):
+        parse_rl("grpo", [*qlora, "--ref.offload"]).validate()
+    with pytest.raises(ConfigError, match=r"load_in_4bit is built for the deepspeed backend"):
+        parse_rl("grpo", [*qlora, "--actor.backend", "molt"]).validate()
+    assert parse_trainer("dpo", qlora).model.model.load_in_4bit

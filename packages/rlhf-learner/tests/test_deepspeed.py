@@ -638,3 +638,74 @@ def test_ema_follows_the_weights_and_survives_a_checkpoint(
     group.export_hf(str(tmp_path / "ema"), ema=True)
     exported = Qwen2ForCausalLM.from_pretrained(tmp_path / "ema", dtype=torch.float32)
     assert torch.equal(exported.model.norm.weight.detach(), ema["model.norm.weight"])
+
+
+def test_qlora_trains_adapters_on_a_4bit_base_and_exports_dense_merged_weights(
+    group, tiny, tokenizer, tmp_path
+) -> None:
+    """OpenRLHF's ``--ds.load_in_4bit``: the base loads as bitsandbytes NF4 (on the CPU too),
+    only the LoRA adapters train, and the merged export is a plain dense checkpoint whose
+    logits are the 4-bit model's (its base dequantised); a checkpoint restores the adapters."""
+    cfg = LearnerConfig(
+        model=ModelConfig(path=str(tiny), lora_rank=4, lora_alpha=8, load_in_4bit=True),
+        optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0),
+        deepspeed=DeepSpeedConfig(zero_stage=2),
+    )
+    group.build(cfg, backend=DeepSpeedBackend)
+
+    def packed(backend):
+        proj = backend.module.get_base_model().model.layers[0].mlp.up_proj.base_layer
+        return type(proj).__name__, proj.weight.dtype, proj.weight.detach().clone()
+
+    kind, dtype, before = group.run(packed)[0]
+    assert (kind, dtype) == ("Linear4bit", torch.uint8)
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    losses = [group.train_step(batch, objective, max_rows=3)["loss"] for _ in range(6)]
+    assert losses[-1] < losses[0] - 0.1
+    assert torch.equal(group.run(packed)[0][2], before)  # the 4-bit base stays frozen
+    merged = full_state(group)
+    original = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict()
+    assert set(merged) == set(original) - {"lm_head.weight"}
+    assert all(t.dtype == torch.float32 for t in merged.values())
+    # NF4 keeps 16 levels per 64-value block: the dequantised base is near the original.
+    gap = (
+        merged["model.layers.0.mlp.up_proj.weight"] - original["model.layers.0.mlp.up_proj.weight"]
+    )
+    assert 0 < gap.abs().max() < 0.1
+    group.export_hf(str(tmp_path / "merged"))
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+
+    def logits(m, b):
+        return m(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+
+    # Each exported projection is bitsandbytes' dequantised base plus PEFT's scaling · B A.
+    from safetensors.torch import load_file
+
+    def by_hand(backend):
+        from bitsandbytes.functional import dequantize_4bit
+
+        layer = backend.module.get_base_model().model.layers[0].self_attn.q_proj
+        weight = layer.base_layer.weight
+        base = dequantize_4bit(weight.data, weight.quant_state)
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        return (base + layer.scaling["default"] * (b @ a)).detach()
+
+    exported_q = load_file(tmp_path / "merged" / "model.safetensors")
+    torch.testing.assert_close(
+        exported_q["model.layers.0.self_attn.q_proj.weight"], group.run(by_hand)[0]
+    )
+    # The dense model computes what the 4-bit one does, up to bitsandbytes' CPU kernel, which
+    # multiplies in lower precision than float32 (about 0.4 % of a layer's output, probed).
+    with torch.no_grad():
+        theirs = exported.eval()(batch.input_ids, attention_mask=batch.attention_mask).logits
+    for rows, ours in group.forward(batch, logits):
+        torch.testing.assert_close(ours, theirs[rows, : ours.shape[1]], rtol=0, atol=1e-2)
+    saved = group.save(str(tmp_path / "ckpt"), 6, client_state={"step": 6})
+    trained = [out for _, out in group.forward(batch, logits)]
+    group.train_step(batch, objective, max_rows=3)
+    group.load(saved)
+    for (_, out), want in zip(group.forward(batch, logits), trained, strict=True):
+        torch.testing.assert_close(out, want)

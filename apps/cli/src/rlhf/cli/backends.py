@@ -87,6 +87,8 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
     problems += _context_parallel_problems(role, flag=flag)
     if role.model.use_liger_kernel:
         problems += _liger_problems(role, flag=flag)
+    if role.model.load_in_4bit:
+        problems += _qlora_problems(role, flag=flag)
     if role.backend == "deepspeed":
         problems += _deepspeed_problems(role, flag=flag)
         problems += _unread_fsdp_problems(role, flag=flag)
@@ -126,6 +128,18 @@ def _unread_fsdp_problems(role: RoleConfig, *, flag: str) -> list[str]:
         f"which does not read them: add --{flag}.backend molt, or drop them (DeepSpeed's own "
         f"options are --{flag}.deepspeed.*)"
     ]
+
+
+def _qlora_problems(role: RoleConfig, *, flag: str) -> list[str]:
+    """``--{flag}.model.load_in_4bit``: QLoRA on the DeepSpeed backend with bitsandbytes."""
+    named = f"--{flag}.model.load_in_4bit"
+    if role.backend != "deepspeed":
+        return [f"{named} is built for the deepspeed backend; leave it out with {role.backend}"]
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return [
+            f"{named} needs bitsandbytes, which is not installed: pip install 'rlhf-cli[qlora]'"
+        ]
+    return []
 
 
 def _liger_problems(role: RoleConfig, *, flag: str) -> list[str]:

@@ -329,6 +329,12 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
         ),
         (config.train.micro_batch_size < 1, "--train.micro_batch_size must be >= 1"),
         (
+            config.actor.model.load_in_4bit and config.train.ref_reward_offload,
+            "--actor.model.load_in_4bit with --train.ref_reward_offload: the reference shares "
+            "the actor's 4-bit base, and offloading runs it under ZeRO-3, which cannot split "
+            "4-bit weights; drop one of them",
+        ),
+        (
             config.train.actor_freezing_steps < 0,
             "--train.actor_freezing_steps must be >= 0 (0: the actor trains from the first step)",
         ),

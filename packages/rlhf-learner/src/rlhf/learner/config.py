@@ -44,6 +44,11 @@ class ModelConfig:
         lora_alpha: LoRA α (the update is scaled by α / r).
         lora_dropout: Dropout on the LoRA input.
         lora_target_modules: Module names that get adapters.
+        load_in_4bit: QLoRA: the frozen base loads as 4-bit NF4 weights (bitsandbytes, double
+            quantisation, computing in ``dtype``) and only the LoRA adapters train; needs
+            ``lora_rank``, ZeRO stage <= 2 and no tensor parallelism. Weight syncs and HF
+            exports carry the dequantised base with the adapters merged (``pip install
+            'rlhf-learner[qlora]'``; OpenRLHF's ``--ds.load_in_4bit``).
     """
 
     path: str
@@ -68,6 +73,7 @@ class ModelConfig:
         "up_proj",
         "down_proj",
     )
+    load_in_4bit: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ROLE_KINDS:
@@ -78,6 +84,11 @@ class ModelConfig:
             raise ValueError("model.lora_rank must be >= 0 and needs model.lora_target_modules")
         if self.chunked_lm_head and self.kind != "causal_lm":
             raise ValueError("model.chunked_lm_head applies to causal_lm roles only")
+        if self.load_in_4bit and not self.lora_rank:
+            raise ValueError(
+                "model.load_in_4bit freezes the base in 4 bits and trains LoRA adapters on it "
+                "(QLoRA): set model.lora_rank > 0 too"
+            )
 
 
 @dataclass(frozen=True)
@@ -255,6 +266,14 @@ class LearnerConfig:
     seed: int = 42
 
     def __post_init__(self) -> None:
+        if self.model.load_in_4bit and (
+            self.deepspeed.zero_stage == 3 or self.deepspeed.tp_size > 1
+        ):
+            raise ValueError(
+                "model.load_in_4bit needs deepspeed.zero_stage <= 2 and deepspeed.tp_size 1: "
+                "ZeRO-3 and tensor parallelism split parameters, and 4-bit packed weights "
+                "cannot be split"
+            )
         if self.model.chunked_lm_head and self.deepspeed.zero_stage == 3:
             raise ValueError(
                 "model.chunked_lm_head needs deepspeed.zero_stage <= 2 (under ZeRO-3 the "

@@ -409,8 +409,14 @@ class DeepSpeedBackend:
         """Write engine state (model, optimizer, scheduler) and this rank's RNG states."""
         if self.engine is None or self.config.optimizer is None:
             return  # an eval-only role is rebuilt from its model path
+        # A 4-bit base (QLoRA) is frozen and reloads from the model path: only the trained
+        # parameters go into the checkpoint (bitsandbytes' quantisation state would not load).
+        frozen_base = self.config.model.load_in_4bit
         self.engine.save_checkpoint(
-            str(pathlib.Path(directory) / "backend"), tag="state", client_state=dict(client_state)
+            str(pathlib.Path(directory) / "backend"),
+            tag="state",
+            client_state=dict(client_state),
+            exclude_frozen_parameters=frozen_base,
         )
         if self.rank == 0:
             write_saved_tp_size(directory, tp_size=self.config.deepspeed.tp_size)
@@ -430,6 +436,9 @@ class DeepSpeedBackend:
             tag="state",
             load_optimizer_states=True,
             load_lr_scheduler_states=True,
+            # Without the frozen 4-bit base (see save_checkpoint); the fingerprint above has
+            # checked every name and shape.
+            load_module_strict=not self.config.model.load_in_4bit,
         )
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed found no engine state in {directory}/backend")

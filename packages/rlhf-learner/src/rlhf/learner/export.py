@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -35,7 +36,10 @@ def write_hf_export(
     # attributes as Tensor | Module, which hides their methods.
     model: Any = module
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.save_pretrained(staging, state_dict=dict(state), safe_serialization=True)
+    if getattr(base.config, "quantization_config", None) is None:
+        base.save_pretrained(staging, state_dict=dict(state), safe_serialization=True)
+    else:
+        _save_dense(base, state, staging)
     for f in pathlib.Path(source).iterdir():
         wanted = f.name.startswith("tokenizer") or f.name in _SIDE_FILES
         if f.is_file() and wanted and not (staging / f.name).exists():
@@ -43,3 +47,21 @@ def write_hf_export(
     if target.exists():
         shutil.rmtree(target)
     os.replace(staging, target)
+
+
+def _save_dense(base: Any, state: Mapping[str, Tensor], staging: pathlib.Path) -> None:
+    """A quantised model's export as a plain one: transformers' ``save_pretrained`` would
+    quantise ``state`` again, so the (dense, merged) tensors go to one safetensors file and the
+    config loses its ``quantization_config``."""
+    from safetensors.torch import save_file
+
+    staging.mkdir(parents=True)
+    base.config.save_pretrained(staging)
+    config_file = staging / "config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("quantization_config", None)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(staging)
+    tensors = {name: tensor.contiguous() for name, tensor in state.items()}
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import operator
 import pathlib
@@ -69,6 +70,8 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
         "dtype": DTYPES[config.dtype],
         "attn_implementation": config.attn_implementation,
     }
+    if config.load_in_4bit:
+        kwargs["quantization_config"] = _nf4(config)
     if config.kind == "causal_lm":
         model = AutoModelForCausalLM.from_pretrained(config.path, **kwargs)
     else:
@@ -83,6 +86,13 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+    if config.load_in_4bit:
+        # bitsandbytes repacks a 4-bit weight in place for its CPU inference kernel at the
+        # first eval-mode, no-gradient forward, and training then fails on the repacked
+        # weight; one layout and one kernel also keep eval log-probs equal to training's.
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010
     if config.use_liger_kernel:
         apply_liger_kernels(model)
     if config.lora_rank:
@@ -93,6 +103,36 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
         )
         model.config.use_cache = False
     return model
+
+
+def _nf4(config: ModelConfig) -> Any:
+    """transformers' bitsandbytes config for QLoRA's 4-bit NF4 base (double quantisation,
+    computing in the model's dtype)."""
+    from transformers import BitsAndBytesConfig
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(
+            "model.load_in_4bit needs bitsandbytes: pip install 'rlhf-learner[qlora]'"
+        )
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=DTYPES[config.dtype],
+        # The heads stay dense: a scalar role's value head is initialised and trained here.
+        llm_int8_skip_modules=["lm_head", "score"],
+    )
+
+
+def dense(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's values as a dense tensor: a bitsandbytes 4-bit weight (one carrying a
+    ``quant_state``) dequantised to its original dtype, any other as it is (detached)."""
+    state = getattr(param, "quant_state", None)
+    if state is None:
+        return param.detach()
+    from bitsandbytes.functional import dequantize_4bit  # pyright: ignore[reportMissingImports]
+
+    return dequantize_4bit(param.data, state).to(state.dtype)
 
 
 def apply_liger_kernels(model: torch.nn.Module) -> None:
@@ -142,7 +182,8 @@ def merged_parameters(
     gather: Callable[[list[torch.nn.Parameter]], AbstractContextManager[Any]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters in checkpoint names; for a PEFT LoRA model, the base weights with the
-    adapters merged in (``W + scale · B A``), without changing the model.
+    adapters merged in (``W + scale · B A``), without changing the model; 4-bit base weights
+    (QLoRA) dequantised first.
 
     Args:
         model: A transformers model, or a PEFT model around one.
@@ -174,10 +215,11 @@ def merged_parameters(
                     operator.add,
                     (lora_layer.get_delta_weight(a) for a in lora_layer.active_adapters),
                 )
-                yield clean, (param.detach() + delta.to(param.dtype)).detach()
+                base_weight = dense(param)
+                yield clean, (base_weight + delta.to(base_weight.dtype)).detach()
         else:
             with whole([param]):
-                yield clean, param.detach()
+                yield clean, dense(param)
 
 
 def checkpoint_names(root: pathlib.Path) -> list[str]:

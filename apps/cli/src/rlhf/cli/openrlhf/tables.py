@@ -94,7 +94,7 @@ def _common_rows(
             "DeepSpeed's default communication overlap is kept")),
         Row("ds.tensor_parallel_size", "one", alias(*deepspeed("tp_size"))),
         Row("ds.packing_samples", "switch", alias(*model("packing_samples"))),
-        Row("ds.load_in_4bit", "switch", off("ds.load_in_4bit", "4-bit loading is not built")),
+        Row("ds.load_in_4bit", "switch", alias(*lora("load_in_4bit"))),
         Row("ds.lora.rank", "one", alias(*lora("lora_rank"))),
         Row("ds.lora.alpha", "one", alias(*lora("lora_alpha"))),
         Row("ds.lora.target_modules", "many", alias(*lora("lora_target_modules"),
@@ -524,7 +524,15 @@ def _serve_rm_rows() -> list[Row]:
                 "from this machine unless you say so"
             ),
         ),
-        Row("ds.load_in_4bit", "switch", off("ds.load_in_4bit", "4-bit loading is not built")),
+        Row(
+            "ds.load_in_4bit",
+            "switch",
+            off(
+                "ds.load_in_4bit",
+                "a served reward model loads whole here (4-bit loading is "
+                "QLoRA training's: rlhf train ... --ds.load_in_4bit with LoRA)",
+            ),
+        ),
         Row(
             "ds.param_dtype",
             "one",

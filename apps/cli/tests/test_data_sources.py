@@ -405,3 +405,37 @@ def test_a_trainer_dataset_without_rows_is_named(tmp_path) -> None:
     config = PreferenceConfig(dataset=str(tmp_path / "empty.jsonl"))
     with pytest.raises(DataSourceError, match=r"--dataset .*empty\.jsonl has no rows to train on"):
         training_rows(config)
+
+
+def test_null_and_numeric_labels_are_told_once_per_source() -> None:
+    from rlhf.cli.data import label_notes
+
+    train = [
+        Prompt("a", None, "t.jsonl"),
+        Prompt("b", "x", "t.jsonl"),
+        Prompt("c", None, "t.jsonl"),
+    ]
+    held = [Prompt("d", 42.0, "e.parquet"), Prompt("e", 7, "e.parquet")]
+    notes = label_notes([("t", train), ("held", held), ("ok", [Prompt("f", "1", "o")])],
+                        label_key="answer")  # fmt: skip
+    assert notes == [
+        "t.jsonl (t): 2 of 3 labels are null (--data.label_key 'answer'; row 0 first); the "
+        "reward function receives None for them",
+        "e.parquet (held): 2 of 2 labels are numbers (row 0: 42.0); a reward that compares "
+        "text, such as builtin:exact_match, compares '42.0'",
+    ]
+
+
+def test_prompts_the_tokenizer_cannot_represent_are_told(assets) -> None:
+    # The demo's tokenizer knows digits and a few symbols, without byte fallback: "日本" is
+    # dropped on the way in.
+    from transformers import AutoTokenizer
+
+    from rlhf.cli.data import lossy_prompt_notes
+
+    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
+    prompts = [Prompt("12 34:", "1", "p.jsonl"), Prompt("5 日本 6:", "2", "p.jsonl")]
+    (note,) = lossy_prompt_notes([("p", prompts)], tokenizer)
+    assert note.startswith("p.jsonl (p): 1 of 2 prompts lose characters in the tokenizer "
+                           "(prompt 1: '5 日本 6:' reads back as")  # fmt: skip
+    assert lossy_prompt_notes([("p", prompts[:1])], tokenizer) == []

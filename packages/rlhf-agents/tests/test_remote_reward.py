@@ -1,6 +1,7 @@
 """Remote rewards against a real FastAPI/uvicorn server on 127.0.0.1."""
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -218,6 +219,34 @@ def test_timeout_then_skip_policy(server) -> None:
     out = run(skip)
     assert out.valid == [False] * 4
     assert out.metrics["reward/failed"] == 4
+
+
+def test_a_slow_server_and_each_retry_are_reported(server) -> None:
+    # /hang answers after 3 s: each attempt times out at 0.3 s. While one waits, a line every
+    # notice_s says so; the retry says when the failure policy applies: after the next attempt
+    # (0.3 s) and the backoff before it (0.1 s), 0.4 s at most.
+    url, _ = server
+    lines: list[str] = []
+    cfg = RemoteRewardConfig(urls=(f"{url}/hang",), timeout_s=0.3, max_retries=1,
+                             backoff_s=0.1, notice_s=0.1)  # fmt: skip
+
+    async def go():
+        async with RemoteReward(cfg, report=lines.append) as client:
+            await client.score(queries=["x"], prompts=["p"], labels=[0])
+
+    with pytest.raises(RewardError, match=r"after 2 attempts"):
+        asyncio.run(go())
+    retries = [line for line in lines if "retrying" in line]
+    assert retries == [
+        f"{url}/hang: no answer within 0.3 s: retrying in 0.1 s (attempt 2 of 2; the failure "
+        "policy applies in at most 0.4 s)"
+    ]
+    waiting = [line for line in lines if "waiting" in line]
+    assert waiting and all(
+        re.fullmatch(rf"{url}/hang: waiting 0\.\d s of 0\.3 s for an answer \(attempt [12] of 2; "
+                     r"the failure policy applies in at most 0\.\d s\)", line)
+        for line in waiting
+    ), waiting  # fmt: skip
 
 
 def test_refused_connection_with_fallback_keeps_the_healthy_shard(server, refused_url) -> None:

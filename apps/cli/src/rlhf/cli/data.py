@@ -7,7 +7,7 @@ import json
 import math
 import pathlib
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,6 +323,64 @@ def dataset_rows(
         if drawn[i] >= len(sources[i]):
             left.discard(i)
     return out[:max_samples]
+
+
+def label_notes(sources: Iterable[tuple[str, Sequence[Prompt]]], *, label_key: str) -> list[str]:
+    """What a person should know about the labels of each prompt source before training:
+    how many are null (the reward function receives None) and how many are numbers (a text
+    comparison such as builtin:exact_match reads 42.0 as "42.0", not "42"), with an example.
+    Empty when every label is text."""
+    notes = []
+    for name, prompts in sources:
+        if not prompts:
+            continue
+        where = f"{prompts[0].source} ({name})" if name != prompts[0].source else name
+        null = [i for i, p in enumerate(prompts) if p.label is None]
+        numbers = [
+            i
+            for i, p in enumerate(prompts)
+            if isinstance(p.label, int | float) and not isinstance(p.label, bool)
+        ]
+        if null:
+            notes.append(
+                f"{where}: {len(null)} of {len(prompts)} labels are null (--data.label_key "
+                f"{label_key!r}; row {null[0]} first); the reward function receives None for them"
+            )
+        if numbers:
+            example = prompts[numbers[0]].label
+            notes.append(
+                f"{where}: {len(numbers)} of {len(prompts)} labels are numbers (row "
+                f"{numbers[0]}: {example!r}); a reward that compares text, such as "
+                f"builtin:exact_match, compares {str(example)!r}"
+            )
+    return notes
+
+
+def lossy_prompt_notes(
+    sources: Iterable[tuple[str, Sequence[Prompt]]], tokenizer: Any
+) -> list[str]:
+    """Prompt sources whose text the tokenizer cannot represent: a prompt whose non-space
+    characters do not read back from its tokens has lost some (a tokenizer without those
+    characters, and no byte fallback, drops them), so the policy never sees them. One note per
+    such source, with the count and the first example."""
+    notes = []
+    for name, prompts in sources:
+        texts = [p.text for p in prompts]
+        if not texts:
+            continue
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        back = tokenizer.batch_decode(ids)
+        lost = [i for i, (t, b) in enumerate(zip(texts, back, strict=True))
+                if "".join(t.split()) != "".join(b.split())]  # fmt: skip
+        if lost:
+            i = lost[0]
+            notes.append(
+                f"{prompts[0].source} ({name}): {len(lost)} of {len(texts)} prompts lose "
+                f"characters in the tokenizer (prompt {i}: {texts[i]!r:.80} reads back as "
+                f"{back[i]!r:.80}); the policy never sees them: use a tokenizer that covers "
+                "them, or clean the data"
+            )
+    return notes
 
 
 def prompt_sources(

@@ -32,7 +32,13 @@ from rlhf.algos import make_kl_controller
 from rlhf.cli.best import BestModel, check_metric
 from rlhf.cli.cluster import start_ray, start_ray_early
 from rlhf.cli.config import RLConfig
-from rlhf.cli.data import Prompt, PromptSampler, prompt_sources
+from rlhf.cli.data import (
+    Prompt,
+    PromptSampler,
+    label_notes,
+    lossy_prompt_notes,
+    prompt_sources,
+)
 from rlhf.cli.faults import actor_died, resume_hint
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
 from rlhf.cli.plan import plan
@@ -118,6 +124,10 @@ def run_rl(
     torch.manual_seed(config.train.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
     sampler, eval_prompts = prompt_sources(config.data, tokenizer, seed=config.train.seed)
+    named = [*zip(sampler.names, sampler.sources, strict=True), *eval_prompts.items()]
+    notes = label_notes(named, label_key=config.data.label_key)
+    for note in notes + lossy_prompt_notes(named, tokenizer):
+        echo(f"[data] {note}")
     best = None
     if config.eval.best_metric:
         check_metric(config.eval.best_metric, sources=eval_prompts, n_samples=config.eval.n_samples)

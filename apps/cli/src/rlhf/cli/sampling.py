@@ -68,7 +68,7 @@ def reward_source(reward: RewardConfig) -> Any:
             )
         except ValueError as exc:
             raise ConfigError(f"--{exc}") from None
-        return RemoteReward(config)
+        return RemoteReward(config, report=lambda line: print(f"[reward] {line}", flush=True))
     if reward.reward_func.startswith("builtin:"):
         name = reward.reward_func.removeprefix("builtin:")
         func = getattr(builtin_rewards, name, None) if name in builtin_rewards.NAMES else None

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,8 @@ class RemoteRewardConfig:
         policy: What happens to samples whose request failed for good.
         api_key: Sent as ``Authorization: Bearer <api_key>`` (``rlhf serve-rm --api_key``);
             None sends no credentials.
+        notice_s: A request still waiting this long, and every retry, is reported (at most
+            once per URL per ``notice_s``) to `RemoteReward`'s ``report``.
     """
 
     urls: tuple[str, ...]
@@ -56,6 +59,7 @@ class RemoteRewardConfig:
     max_batch_size: int | None = None
     policy: FailurePolicy = field(default_factory=FailurePolicy)
     api_key: str | None = field(default=None, repr=False)
+    notice_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -65,6 +69,8 @@ class RemoteRewardConfig:
                 raise ValueError(f"reward.remote_url {url!r} must start with http:// or https://")
         if not self.timeout_s > 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        if not self.notice_s > 0:
+            raise ValueError(f"reward.notice_s must be > 0, got {self.notice_s}")
         if self.max_retries < 0 or self.backoff_s < 0 or self.max_concurrency < 1:
             raise ValueError("reward.max_retries and backoff_s must be >= 0, max_concurrency >= 1")
         if self.max_batch_size is not None and self.max_batch_size < 1:
@@ -95,12 +101,28 @@ def shard_bounds(n: int, *, n_urls: int, max_batch_size: int | None) -> list[tup
     return bounds
 
 
+def _seconds(value: float) -> str:
+    value = max(value, 0.0)
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
 class RemoteReward:
     """A `RewardScorer` that asks HTTP reward servers; use as an async context manager or call
-    `aclose`."""
+    `aclose`.
 
-    def __init__(self, config: RemoteRewardConfig) -> None:
+    Args:
+        config: The servers and how to ask them.
+        report: Told, in a line naming the URL, the attempt and the time left before the
+            failure policy applies, when a request waits longer than ``config.notice_s`` and
+            when one is retried; None: nothing is said.
+    """
+
+    def __init__(
+        self, config: RemoteRewardConfig, *, report: Callable[[str], None] | None = None
+    ) -> None:
         self.config = config
+        self.report = report
+        self._noticed: dict[str, float] = {}
         self._client: httpx.AsyncClient | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,10 +182,43 @@ class RemoteReward:
             raise _RequestError(f"{exc}; body: {body!r}", retryable=False) from None
         return data
 
+    def _left_s(self, attempt: int, elapsed_s: float) -> float:
+        """Seconds until the failure policy applies at the latest: what is left of this
+        attempt, then every later attempt with its backoff."""
+        c = self.config
+        later = range(attempt + 1, c.max_retries + 1)
+        return (c.timeout_s - elapsed_s) + sum(
+            c.timeout_s + c.backoff_s * 2 ** (k - 1) for k in later
+        )
+
+    def _tell(self, url: str, line: str, *, always: bool = False) -> None:
+        now = time.monotonic()
+        if self.report is None or (
+            not always and now - self._noticed.get(url, -math.inf) < self.config.notice_s
+        ):
+            return
+        self._noticed[url] = now
+        self.report(line)
+
+    async def _waiting(self, url: str, attempt: int) -> None:
+        """Reports a request to ``url`` that is still waiting, every ``notice_s``."""
+        start = time.monotonic()
+        attempts = self.config.max_retries + 1
+        while True:
+            await asyncio.sleep(self.config.notice_s)
+            elapsed = time.monotonic() - start
+            self._tell(
+                url,
+                f"{url}: waiting {_seconds(elapsed)} s of {self.config.timeout_s:g} s for an "
+                f"answer (attempt {attempt + 1} of {attempts}; the failure policy applies in at "
+                f"most {_seconds(self._left_s(attempt, elapsed))} s)",
+            )
+
     async def _post(self, url: str, payload: dict[str, Any], n: int) -> Any:
         attempt = 0
         while True:
             _, semaphore = self._bind()
+            waiting = asyncio.ensure_future(self._waiting(url, attempt)) if self.report else None
             try:
                 async with semaphore:
                     return await self._post_once(url, payload, n)
@@ -171,8 +226,19 @@ class RemoteReward:
                 if not failure.retryable or attempt >= self.config.max_retries:
                     suffix = f" (after {attempt + 1} attempts)" if failure.retryable else ""
                     raise RewardError(f"remote reward {failure}{suffix}") from None
-                await asyncio.sleep(self.config.backoff_s * 2**attempt)
+                delay = self.config.backoff_s * 2**attempt
+                self._tell(
+                    url,
+                    f"{failure}: retrying in {delay:g} s (attempt {attempt + 2} of "
+                    f"{self.config.max_retries + 1}; the failure policy applies in at most "
+                    f"{_seconds(self._left_s(attempt + 1, 0.0) + delay)} s)",
+                    always=True,
+                )
+                await asyncio.sleep(delay)
                 attempt += 1
+            finally:
+                if waiting is not None:
+                    waiting.cancel()
 
     async def score(
         self,

@@ -83,16 +83,14 @@ def _train_args(assets, run_dir, steps: int = 2) -> list[str]:
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
     extra = {
-        # DAPO with its overlong filtering and a sequence-level rollout correction (tyro's
-        # subcommand for the optional section, then its flags, at the end).
+        # DAPO with its overlong filtering and a sequence-level rollout correction.
         # Its reward (`REFILL_REWARD`) makes every group of a step's first draw uniform, so
         # dynamic filtering drops all 4 and the refill draws 4 more (no evaluation: it would
         # call the reward too).
         "dapo": [
             "--algo.overlong_buffer_len", "2", "--algo.overlong_filtering", "True",
             "--train.reward_func", str(_refill_reward(tmp_path)), "--eval.steps", "0",
-            "algo.rollout_correction:rollout_correction_config",
-            "--algo.rollout_correction.level", "sequence",
+            "--algo.rollout_correction.level", "sequence",  # a plain flag turns it on
         ],
         # The other policy losses, on presets that would otherwise repeat the PPO loss.
         "reinforce_baseline": ["--algo.policy_loss.name", "gspo"],

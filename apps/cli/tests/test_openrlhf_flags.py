@@ -385,7 +385,13 @@ def test_help_lists_each_openrlhf_flag_with_what_it_is(capsys: pytest.CaptureFix
     from rlhf.cli.main import main
 
     with pytest.raises(SystemExit) as leaving:
-        main(["train", "grpo", "--help"])
+        main(["train", "grpo", "--help"])  # the common flags, with their OpenRLHF spellings
+    assert leaving.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--actor.model.path TEXT (default: '') HF checkpoint directory" in out
+    assert "OpenRLHF: --actor.model_name_or_path." in out
+    with pytest.raises(SystemExit) as leaving:
+        main(["train", "grpo", "--help-all"])  # every flag, then every OpenRLHF spelling
     assert leaving.value.code == 0
     out = capsys.readouterr().out
     assert "--train.num_steps" in out  # our own flags first
@@ -396,7 +402,7 @@ def test_help_lists_each_openrlhf_flag_with_what_it_is(capsys: pytest.CaptureFix
     )
     assert "  --actor.muon.lr  refused: Muon is not built yet" in out
     with pytest.raises(SystemExit):
-        main(["train", "dpo", "--help"])
+        main(["train", "dpo", "--help-all"])
     assert "  --model.beta  --beta\n" in capsys.readouterr().out
 
 
@@ -583,3 +589,15 @@ def test_4bit_loading_is_qlora_and_its_limits_are_named(capsys) -> None:
     with pytest.raises(ConfigError, match=r"load_in_4bit is built for the deepspeed backend"):
         parse_rl("grpo", [*qlora, "--actor.backend", "molt"]).validate()
     assert parse_trainer("dpo", qlora).model.model.load_in_4bit
+
+
+def test_the_rollout_correction_takes_plain_flags_anywhere_on_the_line() -> None:
+    # A config-or-None section is tyro's subcommand; its flags may stand anywhere, and the
+    # flags after them still reach their own sections. The subcommand token keeps working.
+    plain = parse_rl("grpo", ["--algo.rollout_correction.mode", "mask", "--train.num_steps", "3"])
+    assert plain.algo.rollout_correction is not None
+    assert (plain.algo.rollout_correction.mode, plain.train.num_steps) == ("mask", 3)
+    token = parse_rl("grpo", ["--train.num_steps", "3", "algo.rollout_correction:rollout_correction_config",
+                              "--algo.rollout_correction.mode", "mask"])  # fmt: skip
+    assert token == plain
+    assert parse_rl("grpo", []).algo.rollout_correction is None

@@ -8,7 +8,8 @@
     rlhf env                                          versions and devices
 
 Flags are the packages' frozen configs, dotted: ``--rollout.n_samples_per_prompt 8``;
-``--config run.yaml`` loads values first (flags win). ``rlhf <command> --help`` lists them.
+``--config run.yaml`` loads values first (flags win). ``rlhf train --help`` lists the training
+commands, ``rlhf train <command> --help`` the flags most runs set, ``--help-all`` every flag.
 ``--debug`` (anywhere) prints the traceback of a user error too, not only its message.
 SIGTERM, SIGHUP and Ctrl-C stop a command cleanly (`rlhf.cli.stopping`): its Ray actors and
 the local Ray cluster it started are shut down, and it exits with 128 + the signal's number.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 import traceback
@@ -27,22 +29,44 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def _parse(cls: type[T], args: Sequence[str], default: T, prog: str, *, epilog: str = "") -> T:
+def _parse(
+    cls: type[T],
+    args: Sequence[str],
+    default: T,
+    prog: str,
+    *,
+    epilog: str = "",
+    common: Sequence[str] = (),
+    summary: str = "",
+    entry_point: str = "",
+) -> T:
     """``args`` parsed into ``cls`` over ``default``: bare boolean switches given True
-    (`rlhf.cli.switches`), aliases resolved, ``--config`` loaded under the flags. ``--help``
-    prints ``epilog`` after the flags."""
+    (`rlhf.cli.switches`), aliases resolved, ``--config`` loaded under the flags. With
+    ``common``, ``--help`` shows those flags by section (`rlhf.cli.help`) and ``--help-all``
+    every flag, then ``epilog``; without, ``--help`` shows every flag."""
     import tyro
 
-    if epilog and ("--help" in args or "-h" in args):
+    if common and ("--help" in args or "-h" in args):
+        from rlhf.cli.help import command_help
+        from rlhf.cli.openrlhf import openrlhf_aliases
+        from rlhf.cli.switches import field_flags
+
+        aliases = openrlhf_aliases(entry_point) if entry_point else {}
+        print(command_help(cls, default, prog=prog, summary=summary, common=common,
+                           total=len(field_flags(cls)), aliases=aliases))  # fmt: skip
+        raise SystemExit(0)
+    if "--help-all" in args or (not common and ("--help" in args or "-h" in args)):
         try:
             tyro.cli(cls, args=["--help"], default=default, prog=prog, use_underscores=True,
                      config=(tyro.conf.FlagConversionOff,))  # fmt: skip
         finally:
-            print(epilog)
+            if epilog:
+                print(epilog)
 
-    from rlhf.cli.switches import bare_switches
+    from rlhf.cli.switches import bare_switches, plain_sections
 
     args = bare_switches([_canonical_arg(a) for a in args], cls=cls, extra_values=("auto",))
+    args = plain_sections(args, cls=cls)
     if "--config" in args:
         i = args.index("--config")
         path = args[i + 1] if i + 1 < len(args) else ""
@@ -131,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with stop_on_signals() as ray_shut:
             return _command(command, rest, args, debug=debug)
+    except BrokenPipeError:  # the reader went away (`rlhf train --help | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (KeyboardInterrupt, Stopped) as exc:
         stopped = as_stopped(exc)
         if debug:
@@ -203,9 +230,18 @@ def _message(exc: BaseException) -> str:
 def _train(rest: list[str]) -> int:
     from rlhf.cli.presets import PRESETS
 
-    if not rest or rest[0] in ("-h", "--help"):
-        print(f"usage: rlhf train {{{','.join(sorted(PRESETS))},sft,rm,dpo}} [flags]")
+    if not rest or rest[0] in ("-h", "--help", "--help-all"):
+        from rlhf.cli.help import train_overview
+
+        print(train_overview())
         return 0
+    if rest[0] not in (*PRESETS, "sft", "rm", "dpo"):
+        print(
+            f"rlhf: unknown training command {rest[0]!r}; the commands are "
+            f"{', '.join([*PRESETS, 'sft', 'rm', 'dpo'])} (rlhf train --help)",
+            file=sys.stderr,
+        )
+        return 2
     algo, flags = rest[0], rest[1:]
     from rlhf.cli import dry_run
 
@@ -248,13 +284,15 @@ def parse_rl(preset: str, flags: Sequence[str]) -> Any:
     """The `RLConfig` of ``rlhf train <preset> <flags>`` (OpenRLHF's ``train_ppo_ray`` flags
     read too), before validation."""
     from rlhf.cli.config import RLConfig
+    from rlhf.cli.help import COMMON
     from rlhf.cli.openrlhf import openrlhf_help
-    from rlhf.cli.presets import follow_generation_budget, resolve
+    from rlhf.cli.presets import PRESET_DOCS, follow_generation_budget, resolve
 
     translated = _openrlhf(flags, entry_point="train_ppo_ray", cls=RLConfig)
     config = _parse(
         RLConfig, translated.args, resolve(preset), f"rlhf train {preset}",
-        epilog=openrlhf_help("train_ppo_ray"),
+        epilog=openrlhf_help("train_ppo_ray"), common=COMMON["rl"],
+        summary=PRESET_DOCS.get(preset, ""), entry_point="train_ppo_ray",
     )  # fmt: skip
     config = follow_generation_budget(config, given=given_names(translated.args))
     return config
@@ -271,7 +309,13 @@ def parse_trainer(kind: str, flags: Sequence[str]) -> Any:
     default: Any = SFTConfig() if kind == "sft" else PreferenceConfig(run_dir=f"runs/{kind}")
     translated = _openrlhf(flags, entry_point=entry_point, cls=type(default))
     prog, epilog = f"rlhf train {kind}", openrlhf_help(entry_point)
-    return _parse(type(default), translated.args, default, prog, epilog=epilog)
+    from rlhf.cli.help import COMMON, TRAINERS
+
+    return _parse(
+        type(default), translated.args, default, prog, epilog=epilog,
+        common=COMMON["sft" if kind == "sft" else "preference"], summary=TRAINERS[kind],
+        entry_point=entry_point,
+    )  # fmt: skip
 
 
 def parse_serve_rm(flags: Sequence[str]) -> Any:

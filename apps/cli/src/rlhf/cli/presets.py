@@ -12,11 +12,14 @@ from rlhf.algos import AdvantageConfig, AlgoConfig, KLConfig, PolicyLossConfig
 from rlhf.cli.config import ConfigError, RLConfig, replace
 
 PRESETS: dict[str, Callable[[], RLConfig]] = {}
+PRESET_DOCS: dict[str, str] = {}
+"""Each preset's docstring (what ``rlhf train --help`` says of it)."""
 
 
 def preset(name: str) -> Callable[[Callable[[], AlgoConfig]], Callable[[], AlgoConfig]]:
     def register(fn: Callable[[], AlgoConfig]) -> Callable[[], AlgoConfig]:
         PRESETS[name] = lambda: replace(RLConfig(), algo=fn())
+        PRESET_DOCS[name] = " ".join((fn.__doc__ or name).split())
         return fn
 
     return register

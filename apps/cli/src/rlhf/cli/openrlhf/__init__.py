@@ -22,7 +22,7 @@ Modules: `entries` (the kinds of row), `tables` (the rows), `groups` (gathered f
 `translate`, `docs` (``--help`` and the README section).
 """
 
-from rlhf.cli.openrlhf.docs import meaning, migration_markdown, openrlhf_help
+from rlhf.cli.openrlhf.docs import meaning, migration_markdown, openrlhf_aliases, openrlhf_help
 from rlhf.cli.openrlhf.entries import Alias, Arity, Gathered, Notice, Refused, Row, Same
 from rlhf.cli.openrlhf.groups import FINISHERS
 from rlhf.cli.openrlhf.tables import COMMANDS, EARLIER, TABLES
@@ -47,6 +47,7 @@ __all__ = [
     "Translated",
     "meaning",
     "migration_markdown",
+    "openrlhf_aliases",
     "openrlhf_help",
     "translate",
     "unknown_flag_problems",

@@ -22,6 +22,17 @@ def openrlhf_help(entry_point: str) -> str:
     return "\n".join(lines)
 
 
+def openrlhf_aliases(entry_point: str) -> dict[str, list[str]]:
+    """Our dotted field → the OpenRLHF flags of ``entry_point`` that set it (with ``--``)."""
+    out: dict[str, list[str]] = {}
+    for name, row in TABLES[entry_point].items():
+        if isinstance(row.entry, Alias) and not isinstance(row.entry.values, OnlyValue):
+            for field in row.entry.fields:
+                if field != name:
+                    out.setdefault(field, []).append(f"--{name}")
+    return out
+
+
 def migration_markdown() -> str:
     """The README's migration section: every OpenRLHF flag and what it is here."""
     lines = []

@@ -55,7 +55,6 @@ def _correction(given: dict[str, list[str]]) -> list[str]:
         given.get("algo.advantage.is_correction_threshold", ["0.5", "5.0"])
     )
     return [
-        "algo.rollout_correction:rollout_correction_config",
         "--algo.rollout_correction.level", levels[level],
         "--algo.rollout_correction.mode", modes[mode],
         "--algo.rollout_correction.threshold", *threshold,

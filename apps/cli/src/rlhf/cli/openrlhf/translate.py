@@ -103,7 +103,7 @@ def unknown_flag_problems(
     theirs = set(TABLES[entry_point]) | set(EARLIER.get(entry_point, {}))
     problems = []
     for token in args:
-        if not token.startswith("--") or token in ("--config", "--help", "--debug"):
+        if not token.startswith("--") or token in ("--config", "--help", "--help-all", "--debug"):
             continue
         name = token[2:].partition("=")[0]
         if name in ours or name in theirs:

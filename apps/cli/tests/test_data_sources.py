@@ -439,3 +439,20 @@ def test_prompts_the_tokenizer_cannot_represent_are_told(assets) -> None:
     assert note.startswith("p.jsonl (p): 1 of 2 prompts lose characters in the tokenizer "
                            "(prompt 1: '5 日本 6:' reads back as")  # fmt: skip
     assert lossy_prompt_notes([("p", prompts[:1])], tokenizer) == []
+
+
+def test_an_empty_step_says_which_cause_took_its_samples() -> None:
+    from rlhf.cli.sampling import empty_step_message
+
+    text = empty_step_message(
+        0, dropped_groups=3, incomplete=1, lost={"env/skipped": 4.0, "reward/failed": 0.0},
+        failure="environment Environment in env.py (prompt 0, sample 0): reset() raised",
+    )  # fmt: skip
+    assert text == (
+        "step 1: no sample is left to train on: 4 episodes failed and were left out by "
+        "--train.agent_failure_policy (skip; or fallback, which has nothing to keep when an "
+        "episode fails before the policy's first action, e.g. in reset()); 1 prompt groups "
+        "lost samples and were dropped whole; dynamic filtering dropped 3 prompt groups whose "
+        "mean score was outside --algo.dynamic_filtering_range. The first failure: "
+        "environment Environment in env.py (prompt 0, sample 0): reset() raised"
+    )

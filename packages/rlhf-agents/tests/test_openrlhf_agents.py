@@ -113,6 +113,7 @@ def test_a_failing_agent_is_named_or_skipped_by_policy(tmp_path, tokenizer, gene
     skip = runner(module, tokenizer, generator, policy=FailurePolicy(on_failure="skip"))
     result = run(skip, [QUESTION], ["1"], n=2)
     assert result.trajectories == [] and result.metrics["env/skipped"] == 2.0
+    assert result.failure.startswith("AgentExecutor in test (prompt 0, sample 0): execute()")
 
 
 class LoopBound:

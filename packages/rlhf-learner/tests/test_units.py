@@ -203,6 +203,24 @@ def test_a_checkpoint_damaged_after_writing_is_named_and_skipped(tmp_path) -> No
     # A checkpoint from before manifests (a marker with the step only) is not checked.
     (newest / "COMPLETE").write_text(json.dumps({"step": 2}))
     assert ckpt.verify_checkpoint(newest) == []
+    # A marker edited by hand names the entry, not a TypeError.
+    (newest / "COMPLETE").write_text(json.dumps({"step": 2, "files": {"model.json": "big"}}))
+    assert ckpt.verify_checkpoint(newest) == [
+        "COMPLETE's entry for model.json is 'big', not [size, CRC-32]"
+    ]
+    (newest / "COMPLETE").write_text(json.dumps({"step": 2, "files": ["model.json"]}))
+    assert ckpt.verify_checkpoint(newest) == [
+        "COMPLETE's manifest is a list, not an object of files"
+    ]
+    # The files a resume reads: unreadable or of the wrong shape, each is named.
+    (newest / "COMPLETE").write_text(json.dumps({"step": 2}))
+    (newest / "model.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"model\.json holds a JSON list"):
+        ckpt.validate(newest, fp)
+    (newest / "model.json").write_text(json.dumps(fp))
+    (newest / "trainer_state.json").write_text('{"step": ')
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json does not read"):
+        ckpt.validate(newest, fp)
 
 
 def test_rank_state_is_safetensors_and_json_restored_exactly(tmp_path) -> None:

@@ -286,6 +286,35 @@ TRAINING, EVALUATION = 0, 1
 """The two streams of request seeds under one run seed (`generate`, `evaluate`)."""
 
 
+def empty_step_message(
+    step: int, *, dropped_groups: int, incomplete: int, lost: Mapping[str, float], failure: str
+) -> str:
+    """Why step ``step`` (0-based) has no sample left to train on, cause by cause, each with
+    the flag that decides it; ``failure`` is the first failure a policy absorbed."""
+    causes = []
+    if lost.get("env/skipped"):
+        causes.append(
+            f"{lost['env/skipped']:.0f} episodes failed and were left out by "
+            "--train.agent_failure_policy (skip; or fallback, which has nothing to keep when an "
+            "episode fails before the policy's first action, e.g. in reset())"
+        )
+    if lost.get("reward/failed"):
+        causes.append(
+            f"{lost['reward/failed']:.0f} samples' rewards failed and were skipped "
+            "(--reward.failure_policy skip; fallback gives them --reward.fallback_value)"
+        )
+    if incomplete:
+        causes.append(f"{incomplete} prompt groups lost samples and were dropped whole")
+    if dropped_groups:
+        causes.append(
+            f"dynamic filtering dropped {dropped_groups} prompt groups whose mean score was "
+            "outside --algo.dynamic_filtering_range"
+        )
+    why = "; ".join(causes) or "the executor returned no sample"
+    first = f". The first failure: {failure}" if failure else ""
+    return f"step {step + 1}: no sample is left to train on: {why}{first}"
+
+
 def complete_groups(trajectories: Sequence[Any], n: int) -> list[list[Any]]:
     """Trajectories grouped by prompt, keeping only groups with all ``n`` samples (a reward's
     skip policy can drop samples)."""
@@ -314,7 +343,9 @@ async def generate(
     tick = time.perf_counter()
     trajectories: list[Any] = []
     gen_metrics: Mapping[str, float] = {}
-    dropped_groups = 0
+    dropped_groups = incomplete = 0
+    lost: dict[str, float] = {}
+    failure = ""
     digest = 0
     for attempt in range(4 if algo.dynamic_filtering_enable else 1):
         need = rollout.batch_size - len(trajectories) // n
@@ -329,7 +360,11 @@ async def generate(
             seed=None if seed is None else request_seed(seed, TRAINING, step, attempt),
         )
         gen_metrics = result.metrics if attempt == 0 else gen_metrics
+        for key in ("env/skipped", "reward/failed"):
+            lost[key] = lost.get(key, 0.0) + result.metrics.get(key, 0.0)
+        failure = failure or result.failure
         groups = complete_groups(result.trajectories, n)
+        incomplete += len({t.prompt_index for t in result.trajectories}) - len(groups)
         if algo.dynamic_filtering_enable and groups:
             scores = torch.tensor([float(tr.score) for g in groups for tr in g])
             keep = dynamic_filter(
@@ -341,11 +376,11 @@ async def generate(
     trajectories = trajectories[: rollout.batch_size * n]
     if not trajectories:
         raise RunError(
-            f"step {step + 1}: every prompt group was dropped (by dynamic filtering, or every "
-            "sample's reward failed under --reward.failure_policy skip); widen "
-            "--algo.dynamic_filtering_range, fix the reward source or use "
-            "--reward.failure_policy fallback"
-        )
+            empty_step_message(
+                step, dropped_groups=dropped_groups, incomplete=incomplete, lost=lost,
+                failure=failure,
+            )
+        )  # fmt: skip
     metrics: dict[str, Any] = {
         "rollout/dropped_groups": float(dropped_groups),
         "data/prompts_crc32": digest,

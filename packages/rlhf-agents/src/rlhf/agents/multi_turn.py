@@ -170,20 +170,20 @@ class MultiTurnExecutor:
 
     async def _guarded(
         self, prompt: str, label: Any, prompt_index: int, sample_index: int, seed: int | None
-    ) -> tuple[Trajectory | None, str]:
+    ) -> tuple[Trajectory | None, str, str]:
         """An episode under the failure policy: ``(trajectory or None, "" | "skipped" |
-        "fallback")``."""
+        "fallback", the failure's message or "")``."""
         progress = _Progress()
         try:
             episode = await self._episode(prompt, label, prompt_index, sample_index, seed, progress)
-            return episode, ""
-        except EnvironmentStepError:
+            return episode, "", ""
+        except EnvironmentStepError as exc:
             if self.policy.on_failure == "raise":
                 raise
             if self.policy.on_failure == "fallback" and progress.acted:
                 reward = self.policy.fallback_reward
-                return progress.ended(reward, prompt_index, sample_index), "fallback"
-            return None, "skipped"
+                return progress.ended(reward, prompt_index, sample_index), "fallback", str(exc)
+            return None, "skipped", str(exc)
 
     async def _call(self, method: Any, *args: Any, what: str) -> Any:
         """An environment method under ``step_timeout_s``; its failures name ``what``."""
@@ -227,9 +227,10 @@ class MultiTurnExecutor:
             for p in range(len(prompts))
             for s in range(n_samples_per_prompt)
         )
-        episodes = [t for t, _ in outcomes if t is not None]
+        episodes = [t for t, _, _ in outcomes if t is not None]
         n = max(len(episodes), 1)
-        failures = [how for _, how in outcomes if how]
+        failures = [how for _, how, _ in outcomes if how]
+        failure = next((message for _, _, message in outcomes if message), "")
         metrics = {
             "env/failed": float(len(failures)),
             "env/skipped": float(failures.count("skipped")),
@@ -240,7 +241,7 @@ class MultiTurnExecutor:
             "env/turns_max": max((e.metrics["env/turns"] for e in episodes), default=0.0),
             **_episode_means(episodes),
         }
-        return ExecutorResult(trajectories=list(episodes), metrics=metrics)
+        return ExecutorResult(trajectories=list(episodes), metrics=metrics, failure=failure)
 
 
 class _Progress:

@@ -364,7 +364,8 @@ class OpenRLHFAgentRunner:
 
     async def _episode(
         self, prompt: str, label: Any, prompt_index: int, sample_index: int, seed: int | None
-    ) -> Trajectory | None:
+    ) -> Trajectory | str:
+        """The episode's trajectory, or (under a skip/fallback policy) its failure's message."""
         where = f"{self.source} (prompt {prompt_index}, sample {sample_index})"
         params = OpenRLHFSamplingParams.of(self.sampling)
         if seed is not None:
@@ -380,7 +381,7 @@ class OpenRLHFAgentRunner:
         except Exception as exc:
             if self.policy.on_failure == "raise":
                 raise EnvironmentStepError(f"{where}: execute() failed: {exc!r}") from exc
-            return None
+            return f"{where}: execute() failed: {exc!r}"
         finally:
             self.engine.open.remove(calls)
 
@@ -407,7 +408,8 @@ class OpenRLHFAgentRunner:
             for p in range(len(prompts))
             for s in range(n_samples_per_prompt)
         )
-        episodes = [t for t in outcomes if t is not None]
+        episodes = [t for t in outcomes if not isinstance(t, str)]
+        failure = next((t for t in outcomes if isinstance(t, str)), "")
         n = max(len(episodes), 1)
         metrics = {
             "env/failed": float(len(outcomes) - len(episodes)),
@@ -421,7 +423,7 @@ class OpenRLHFAgentRunner:
             for key, value in e.metrics.items():
                 logged.setdefault(key, []).append(value)
         metrics.update({f"env/{k}_mean": sum(v) / len(v) for k, v in logged.items()})
-        return ExecutorResult(trajectories=episodes, metrics=metrics)
+        return ExecutorResult(trajectories=episodes, metrics=metrics, failure=failure)
 
 
 def _trajectory(

@@ -22,10 +22,13 @@ class ExecutorResult:
         trajectories: Valid samples, ordered by (prompt_index, sample_index). Samples dropped by
             a ``skip`` reward policy are absent, so a prompt group can be incomplete.
         metrics: Counts and means (``rollout/*``, ``reward/*``).
+        failure: The first failure a ``skip`` or ``fallback`` policy absorbed (an episode's
+            error), so a step left with nothing can say why; empty when none.
     """
 
     trajectories: list[Trajectory]
     metrics: dict[str, float] = field(default_factory=dict)
+    failure: str = ""
 
 
 def batch_indices(

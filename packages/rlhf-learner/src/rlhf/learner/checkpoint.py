@@ -214,8 +214,18 @@ def verify_checkpoint(directory: str | os.PathLike[str]) -> list[str]:
         return [f"COMPLETE does not read: {exc!r}"]
     if recorded is None:
         return []
+    if not isinstance(recorded, dict):
+        return [f"COMPLETE's manifest is a {type(recorded).__name__}, not an object of files"]
     problems = []
-    for name, (size, crc) in recorded.items():
+    for name, entry in recorded.items():
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        ):
+            problems.append(f"COMPLETE's entry for {name} is {entry!r}, not [size, CRC-32]")
+            continue
+        size, crc = entry
         f = base / name
         if not f.is_file():
             problems.append(f"{name} is missing")
@@ -262,7 +272,12 @@ def validate(directory: str | os.PathLike[str], fingerprint: Mapping[str, list[i
         hint = f"; the newest intact one is {intact}" if intact else ""
         listed = "; ".join(problems[:5]) + (" …" if len(problems) > 5 else "")
         raise CheckpointError(f"checkpoint {path} is damaged since it was written ({listed}){hint}")
-    saved = json.loads((path / "model.json").read_text())
+    saved = _json_file(path / "model.json")
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"{path / 'model.json'} holds a JSON {type(saved).__name__}, not the model's "
+            "parameter shapes: resume from another checkpoint"
+        )
     ours = {k: list(v) for k, v in fingerprint.items()}
     if saved != ours:
         missing = sorted(set(ours) - set(saved))
@@ -281,4 +296,21 @@ def validate(directory: str | os.PathLike[str], fingerprint: Mapping[str, list[i
             f"checkpoint {path} was written for another model (" + "; ".join(parts) + "); "
             "point --ckpt.path at this run's checkpoints or start without --ckpt.load_enable"
         )
-    return json.loads((path / "trainer_state.json").read_text())
+    state = _json_file(path / "trainer_state.json")
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{path / 'trainer_state.json'} holds a JSON {type(state).__name__}, not the "
+            "trainer's state: resume from another checkpoint"
+        )
+    return state
+
+
+def _json_file(file: pathlib.Path) -> Any:
+    """A checkpoint's JSON file, or a `CheckpointError` naming it."""
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{file} does not read ({exc}): the checkpoint was changed after it was written; "
+            "resume from another checkpoint"
+        ) from None

@@ -456,3 +456,12 @@ def test_an_empty_step_says_which_cause_took_its_samples() -> None:
         "mean score was outside --algo.dynamic_filtering_range. The first failure: "
         "environment Environment in env.py (prompt 0, sample 0): reset() raised"
     )
+
+
+def test_progress_shows_the_first_and_last_steps_and_one_per_interval() -> None:
+    from rlhf.cli.metrics import Progress
+
+    quiet = Progress(total=5, every_s=3600.0)
+    assert [quiet.due(step) for step in range(1, 6)] == [True, False, False, False, True]
+    chatty = Progress(total=3, start=1, every_s=0.0)
+    assert [chatty.due(step) for step in (2, 3)] == [True, True]

@@ -43,6 +43,9 @@ def test_openrlhf_spellings_train_exactly_as_ours(assets, tmp_path):
     b = rlhf("train", "grpo", "--run_dir", str(tmp_path / "theirs"), *theirs)
     assert b.returncode == 0, b.stderr[-3000:]
     assert "--logger.logging_steps is accepted and has no effect here" in b.stderr
+    # Start-up says what it starts and when each part is ready.
+    assert "[startup] starting 1 vLLM engine(s) and the actor (1 rank), ref (1 rank)…" in b.stdout
+    assert all(f"[startup] {part} ready after" in b.stdout for part in ("engines", "actor", "ref"))
     # The same run (the run directory aside; the reward file as each line named it) ...
     config = {d: json.loads((tmp_path / d / "config.json").read_text()) for d in ("ours", "theirs")}
     assert config["ours"]["reward"]["reward_func"] == str(assets["reward"])

@@ -212,10 +212,22 @@ class Progress:
         start: The step it starts from (a resumed run counts its pace from there).
     """
 
-    def __init__(self, *, total: int, start: int = 0) -> None:
+    def __init__(self, *, total: int, start: int = 0, every_s: float = 10.0) -> None:
         self.total = total
         self.start = start
+        self.every_s = every_s
         self._t0 = time.monotonic()
+        self._shown = -float("inf")
+
+    def due(self, step: int) -> bool:
+        """Whether to show ``step`` (steps done): the first and the last, and one whenever
+        ``every_s`` passed since the last shown (a long run says where it is without a line
+        per step)."""
+        now = time.monotonic()
+        if step in (self.start + 1, self.total) or now - self._shown >= self.every_s:
+            self._shown = now
+            return True
+        return False
 
     def line(self, step: int, metrics: Mapping[str, Any]) -> str:
         """``step`` is the number of steps done; ``metrics`` the step's metrics."""

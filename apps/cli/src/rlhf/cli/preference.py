@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from rlhf.cli.config import (
     absolute_path,
 )
 from rlhf.cli.data import read_rows
+from rlhf.cli.metrics import Progress
 from rlhf.cli.trainer_state import (
     SHAPE,
     RowOrder,
@@ -387,6 +389,10 @@ def run_preference(
     try:
         gpu = start_ray(address=config.ray.address).gpu
         warm = warm_roles()
+        plural = "s" * (role.num_ranks > 1)
+        label = "reward-model" if kind == "rm" else "DPO"
+        echo(f"[startup] starting the {label} learner ({role.num_ranks} rank{plural})…")
+        began = time.perf_counter()
         group, key = rank_group(
             role,
             gpus=role.num_gpus_per_rank if gpu else 0.0,
@@ -404,6 +410,7 @@ def run_preference(
         )
         group.build(learner, backend=backend_factory(role))
         record_placement(group, role, run_dir / "placement.json")
+        echo(f"[startup] learner ready after {time.perf_counter() - began:.1f} s")
         if kind == "dpo":  # the reference is the initial policy: its log-probs, once
             train.fields["ref_logps"] = per_sequence(group, train, sequence_logps, micro)
             if held is not None:
@@ -415,6 +422,7 @@ def run_preference(
             group.load(str(resume.path))
             start = resume.step
             echo(f"[resume] from {resume.path} at step {start}")
+        progress = Progress(total=config.num_steps, start=start)
         for step in range(start + 1, config.num_steps + 1):
             picked = order.take(config.batch_size)
             micro_batches, objective = preference_step(train, picked, config=config, kind=kind)
@@ -430,8 +438,8 @@ def run_preference(
                     "data/rows_crc32": rows_crc32(picked),
                 }
             )
-            if step == start + 1 or step % 50 == 0 or step == config.num_steps:
-                echo(f"[{kind}] step {step} loss {out['loss']:.4f}")
+            if progress.due(step):
+                echo(f"[{kind}] {progress.line(step, {})} | loss {out['loss']:.4f}")
             every = config.eval_steps
             # (the last step's evaluation is written below)
             if held is not None and every and step % every == 0 and step != config.num_steps:

@@ -159,7 +159,11 @@ def run_rl(
     bucket = bucket_mib(t.weight_bucket_mib, transport)
     total_optimizer_steps = t.num_steps * config.optimizer_steps_per_rollout
     roles = start_roles(
-        config, gpu=cluster.gpu, total_optimizer_steps=total_optimizer_steps, stopwatch=watch
+        config,
+        gpu=cluster.gpu,
+        total_optimizer_steps=total_optimizer_steps,
+        stopwatch=watch,
+        echo=echo,
     )
     executors.generator = roles.pool
     if roles.turns is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlhf.cli.backends import backend_factory, compute_threads, rank_env
@@ -294,9 +294,12 @@ def rank_group(
     return group, key
 
 
-def wait_ready(pending: Mapping[str, Sequence[Any]]) -> dict[str, float]:
+def wait_ready(
+    pending: Mapping[str, Sequence[Any]], *, report: Callable[[str, float], None] | None = None
+) -> dict[str, float]:
     """Wait until every role's object refs resolve; returns the seconds each role took from
-    this call, and raises the first failure a role reports."""
+    this call (each also told to ``report`` as it becomes ready), and raises the first
+    failure a role reports."""
     import ray
 
     start = time.perf_counter()
@@ -311,6 +314,8 @@ def wait_ready(pending: Mapping[str, Sequence[Any]]) -> dict[str, float]:
         left[name] -= 1
         if not left[name]:
             ready[name] = time.perf_counter() - start
+            if report is not None:
+                report(name, ready[name])
     return ready
 
 
@@ -320,10 +325,12 @@ def start_roles(
     gpu: bool,
     total_optimizer_steps: int,
     stopwatch: Stopwatch | None = None,
+    echo: Callable[[str], None] | None = None,
 ) -> Roles:
     """Place and start every process of the run; they are ready when this returns (when
-    each became ready goes to ``stopwatch``)."""
+    each became ready goes to ``stopwatch``, and as ``[startup]`` lines to ``echo``)."""
     placement = place(config, gpu=gpu)
+    say = echo or (lambda _line: None)
     sleep = gpu and config.train.colocate_all and config.vllm.enable_sleep is not False
     side_by_side = not (gpu and config.train.colocate_all)
     start = time.perf_counter()
@@ -347,6 +354,13 @@ def start_roles(
     warm_engines = warm is not None and "engines" in keys
     ready: dict[str, float] = {}
     pending: dict[str, Sequence[Any]] = {}
+    learners = role_configs(config, total_optimizer_steps=total_optimizer_steps)
+    say(
+        f"[startup] starting {config.vllm.num_engines} vLLM engine(s) and the "
+        + ", ".join(f"{name} ({role.num_ranks} rank{'s' * (role.num_ranks > 1)})"
+                    for name, (role, _) in learners.items())
+        + "…"
+    )  # fmt: skip
     try:
         if not warm_engines:
             engines = launch.start(wait=not side_by_side)
@@ -354,9 +368,7 @@ def start_roles(
                 pending["engines"] = [e.ready() for e in engines]
             else:
                 ready["engines"] = time.perf_counter() - start
-        for name, (role, learner) in role_configs(
-            config, total_optimizer_steps=total_optimizer_steps
-        ).items():
+        for name, (role, learner) in learners.items():
             groups[name], pending[name], key = start_learner(
                 name, role, learner, placement=placement, gpu=gpu, warm=warm
             )
@@ -376,7 +388,13 @@ def start_roles(
                 num_ranks=group.world_size, gpu=gpu, beside_engines=config.train.async_enable
             )
         waited_from = time.perf_counter() - start
-        ready.update({n: waited_from + s for n, s in wait_ready(pending).items()})
+        for name, seconds in ready.items():
+            say(f"[startup] {name} ready after {seconds:.1f} s")
+
+        def announce(name: str, seconds: float) -> None:
+            say(f"[startup] {name} ready after {waited_from + seconds:.1f} s")
+
+        ready.update({n: waited_from + s for n, s in wait_ready(pending, report=announce).items()})
     except BaseException:  # nothing started may outlive a run that could not start
         for e in engines:
             e.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from rlhf.cli.config import (
     absolute_path,
 )
 from rlhf.cli.data import read_rows
+from rlhf.cli.metrics import Progress
 from rlhf.cli.trainer_state import (
     SHAPE,
     RowOrder,
@@ -241,6 +243,9 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     try:
         gpu = start_ray(address=config.ray.address).gpu
         warm = warm_roles()
+        plural = "s" * (role.num_ranks > 1)
+        echo(f"[startup] starting the SFT learner ({role.num_ranks} rank{plural})…")
+        began = time.perf_counter()
         group, key = rank_group(
             role,
             gpus=role.num_gpus_per_rank if gpu else 0.0,
@@ -258,6 +263,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             backend=backend_factory(role),
         )
         record_placement(group, role, run_dir / "placement.json")
+        echo(f"[startup] learner ready after {time.perf_counter() - began:.1f} s")
         start = 0
         if resume is not None:
             group.load(str(resume.path))
@@ -266,6 +272,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
         if held is not None:  # before this process's first step
             evals.append(eval_loss())
             log.write({"step": start, "sft/eval_loss": evals[-1]})
+        progress = Progress(total=config.num_steps, start=start)
         for step in range(start + 1, config.num_steps + 1):
             picked = order.take(config.batch_size)
             batch = collate(
@@ -291,8 +298,8 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
                     "data/rows_crc32": rows_crc32(picked),
                 }
             )
-            if step == start + 1 or step % 50 == 0 or step == config.num_steps:
-                echo(f"[sft] step {step} loss {out['loss']:.4f}")
+            if progress.due(step):
+                echo(f"[sft] {progress.line(step, {})} | loss {out['loss']:.4f}")
             if saves_at(step, ckpt=config.ckpt, num_steps=config.num_steps):
                 if config.ckpt.save_state:
                     state = trainer_state(command="sft", step=step, shape=config.shape, order=order)

@@ -74,7 +74,6 @@ def test_a_killed_run_resumes_with_the_same_prompts_and_schedule(assets, tmp_pat
         *small_run(assets, steps=4, reward=False),
         "--train.reward_func", str(held),
         "--actor.optimizer.lr", "1e-3",
-        "--actor.optimizer.total_steps", "4",
         "--actor.optimizer.min_lr_ratio", "0.0",
         "--ckpt.save_steps", "2",
         *(ASYNC if mode == "async" else []),

@@ -62,7 +62,7 @@ def test_ppo_trains_syncs_and_resumes_on_fsdp2(assets, tmp_path) -> None:
         *small_run(assets, steps=3),
         "--actor.backend", "molt", "--critic.backend", "molt",
         "--actor.num_ranks", "2", "--critic.num_cpus_per_rank", "0.5",
-        "--actor.optimizer.lr", "1e-3", "--actor.optimizer.total_steps", "3",
+        "--actor.optimizer.lr", "1e-3",
         "--actor.optimizer.min_lr_ratio", "0.0",
         "--vllm.verify_sync", "full", "--ckpt.save_steps", "2",
     ]  # fmt: skip

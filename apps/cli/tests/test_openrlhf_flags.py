@@ -601,3 +601,11 @@ def test_the_rollout_correction_takes_plain_flags_anywhere_on_the_line() -> None
                               "--algo.rollout_correction.mode", "mask"])  # fmt: skip
     assert token == plain
     assert parse_rl("grpo", []).algo.rollout_correction is None
+
+
+def test_a_flag_the_run_sets_itself_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"--actor.optimizer.total_steps is set by the run"):
+        parse_rl("grpo", ["--actor.optimizer.total_steps", "50"]).validate()
+    with pytest.raises(ConfigError, match=r"--model.optimizer.total_steps is set by the run"):
+        parse_trainer("sft", ["--model.model.path", "m", "--dataset", "d",
+                              "--model.optimizer.total_steps", "50"]).validate()  # fmt: skip

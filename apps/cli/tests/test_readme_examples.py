@@ -83,6 +83,34 @@ def test_the_commands_are_found() -> None:
         assert f"apps/cli/README.md: rlhf train {kind}" in where
 
 
+QWEN2_5_1_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
+    "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+    "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+}  # fmt: skip
+"""The shape of the model the root README's real-model example names (its config.json)."""
+
+
+def test_the_real_model_example_plans_on_the_gpus_its_prose_states(tmp_path, capsys) -> None:
+    import json
+
+    from rlhf.cli.main import main
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### The same command on a real model", 1)[1]
+    stated = int(re.search(r"on (\d+) GPUs of one node", section).group(1))
+    block = _block(section, "bash", "rlhf train grpo")
+    model = tmp_path / "Qwen2.5-1.5B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN2_5_1_5B))
+    words = shlex.split(block.replace("\\\n", " "))
+    words = [str(model) if w == "/models/Qwen2.5-1.5B-Instruct" else w for w in words]
+    assert main([*words[1:], "--dry_run"]) == 0  # it fits
+    plan = capsys.readouterr().out
+    gpus, nodes = re.search(r"\[capacity\] (\d+) GPU\(s\) .*?, (\d+) node\(s\)", plan).groups()
+    assert (int(gpus), int(nodes)) == (stated, 1), plan
+
+
 def test_the_root_readme_installs_the_command_with_its_engines() -> None:
     install = _block((ROOT / "README.md").read_text(), "bash", "pip install ./packages/rlhf-*")
     lines = [line for line in install.splitlines() if "./apps/cli" in line]

@@ -85,6 +85,12 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
             "installed: pip install 'rlhf-cli[cpu]' (or 'rlhf-cli[gpu]', or peft itself)"
         )
     problems += _context_parallel_problems(role, flag=flag)
+    if role.optimizer.total_steps != type(role.optimizer)().total_steps:
+        problems.append(
+            f"--{flag}.optimizer.total_steps is set by the run (the schedule spans its "
+            f"optimizer steps); leave it out and shape the schedule with --{flag}.optimizer."
+            "warmup_steps, warmup_ratio, schedule and min_lr_ratio"
+        )
     if role.model.use_liger_kernel:
         problems += _liger_problems(role, flag=flag)
     if role.model.load_in_4bit:

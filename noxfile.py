@@ -315,6 +315,17 @@ def learning_table(session: nox.Session) -> None:
     )  # fmt: skip
 
 
+@nox.session(name="demo-numbers", python="3.11")
+def demo_numbers(session: nox.Session) -> None:
+    """`rlhf demo` a few times after a warm-up; rewrites the README's demo numbers with what
+    they measured and the machine (keep the machine otherwise idle)."""
+    _install_member(session, "cli")
+    session.run(
+        "python", "-m", "rlhf.cli.demo_numbers", "--readme", str(ROOT / "README.md"),
+        *session.posargs, env=WRITE_BYTECODE,
+    )  # fmt: skip
+
+
 BENCH_MEMBER = {"capacity": "cli"}
 """Benchmarks named after what they measure rather than a member: the member they install."""
 

@@ -356,16 +356,21 @@ def label_notes(sources: Iterable[tuple[str, Sequence[Prompt]]], *, label_key: s
     return notes
 
 
+LOSSY_CHECKED = 10_000
+"""Prompts per source `lossy_prompt_notes` reads back through the tokenizer."""
+
+
 def lossy_prompt_notes(
     sources: Iterable[tuple[str, Sequence[Prompt]]], tokenizer: Any
 ) -> list[str]:
     """Prompt sources whose text the tokenizer cannot represent: a prompt whose non-space
     characters do not read back from its tokens has lost some (a tokenizer without those
     characters, and no byte fallback, drops them), so the policy never sees them. One note per
-    such source, with the count and the first example."""
+    such source, with the count and the first example; the first `LOSSY_CHECKED` prompts of a
+    source are checked (enough to see a tokenizer that does not fit the data)."""
     notes = []
     for name, prompts in sources:
-        texts = [p.text for p in prompts]
+        texts = [p.text for p in prompts[:LOSSY_CHECKED]]
         if not texts:
             continue
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -374,8 +379,9 @@ def lossy_prompt_notes(
                 if "".join(t.split()) != "".join(b.split())]  # fmt: skip
         if lost:
             i = lost[0]
+            checked = f"the first {len(texts)}" if len(texts) < len(prompts) else f"{len(texts)}"
             notes.append(
-                f"{prompts[0].source} ({name}): {len(lost)} of {len(texts)} prompts lose "
+                f"{prompts[0].source} ({name}): {len(lost)} of {checked} prompts lose "
                 f"characters in the tokenizer (prompt {i}: {texts[i]!r:.80} reads back as "
                 f"{back[i]!r:.80}); the policy never sees them: use a tokenizer that covers "
                 "them, or clean the data"

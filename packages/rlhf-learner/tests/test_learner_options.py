@@ -283,6 +283,16 @@ def test_zero3_with_hierarchical_partitions_takes_the_same_steps(group, tiny, pp
         DeepSpeedConfig(zero_stage=2, hpz_partition_size=2)
 
 
+def test_overlapped_gradient_reduction_takes_the_same_steps(group, tiny, ppo, baseline):
+    """OpenRLHF's ``--ds.overlap_comm``: ZeRO-2 reduces gradients during the backward pass in
+    DeepSpeed's own buckets; the steps are ZeRO-2's."""
+    got = run(group, learner(tiny, zero_stage=2, overlap_comm=True), ppo)
+    assert group.run(lambda b: b.engine.zero_overlap_comm()) == [True, True]
+    want = baseline(2)
+    assert_same_step(got, want)
+    assert_same_second_step(got, want)
+
+
 def test_the_gradient_accumulation_dtype_reaches_deepspeed(group, tiny) -> None:
     """OpenRLHF's ``--ds.grad_accum_dtype``: DeepSpeed accumulates a bf16 model's gradients in
     bf16 by default, in fp32 when asked."""

@@ -179,6 +179,9 @@ class DeepSpeedConfig:
             copy of the parameters partitioned over groups of this many ranks (on one node), so
             the forward/backward all-gathers stay inside a group; it must divide the ranks.
             1: off.
+        overlap_comm: Overlap ZeRO's gradient reduction with the backward pass (DeepSpeed's
+            ``zero_optimization.overlap_comm``; OpenRLHF's ``--ds.overlap_comm``): faster on
+            GPUs for more memory. None: DeepSpeed's default (on for ZeRO-3, off below).
         grad_accum_dtype: The dtype DeepSpeed accumulates gradients in (``fp32``, ``bf16``,
             ``fp16``; DeepSpeed's ``data_types.grad_accum_dtype``, OpenRLHF's
             ``--ds.grad_accum_dtype``); None: DeepSpeed's default, the model's dtype.
@@ -192,6 +195,7 @@ class DeepSpeedConfig:
     tp_size: int = 1
     deepcompile: bool = False
     hpz_partition_size: int = 1
+    overlap_comm: bool | None = None
     grad_accum_dtype: str | None = None
 
     def __post_init__(self) -> None:

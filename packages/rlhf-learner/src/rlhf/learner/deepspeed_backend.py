@@ -93,6 +93,8 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.overlap_comm is not None:
+        zero["overlap_comm"] = ds.overlap_comm
     if ds.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
         zero["zero_hpz_partition_size"] = ds.hpz_partition_size

@@ -90,8 +90,8 @@ def _common_rows(
             default="sdpa here (flash-attn is not installed with rlhf)")),
         Row("ds.experts_implementation", "one", MOE),
         Row("ds.grad_accum_dtype", "one", alias(*deepspeed("grad_accum_dtype"))),
-        Row("ds.overlap_comm", "switch", Notice(
-            "DeepSpeed's default communication overlap is kept")),
+        Row("ds.overlap_comm", "switch", alias(*deepspeed("overlap_comm"),
+            default="DeepSpeed's own here when not given (on for ZeRO-3; OpenRLHF off)")),
         Row("ds.tensor_parallel_size", "one", alias(*deepspeed("tp_size"))),
         Row("ds.packing_samples", "switch", alias(*model("packing_samples"))),
         Row("ds.load_in_4bit", "switch", alias(*lora("load_in_4bit"))),

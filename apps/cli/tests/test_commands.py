@@ -219,7 +219,7 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
     # Each start-up phase says it began and when it was ready; steps show the pace and ETA.
     assert "[startup] starting the SFT learner (1 rank)…" in out.stdout
     assert "[startup] learner ready after" in out.stdout
-    assert re.search(r"\[sft\] \[30/30\] \| [\d.]+ s/step \| ETA 0m00s \| loss", out.stdout)
+    assert re.search(r"\[sft\] \[30/30\] \| [\d.]+ m?s/step \| ETA 0m00s \| loss", out.stdout)
     metrics = _rows(tmp_path / "run" / "metrics.jsonl")
     losses = [r["sft/loss"] for r in metrics if "sft/loss" in r]
     assert len(losses) == 30 and losses[-1] < losses[0] / 2

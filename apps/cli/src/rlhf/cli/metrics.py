@@ -244,7 +244,8 @@ class Progress:
             if gen:
                 samples = metrics.get("rollout/samples", 0.0)
                 parts.append(f"{length * samples / gen:.0f} tok/s")
-        parts.append(f"{elapsed / done:.1f} s/step")
+        pace = elapsed / done
+        parts.append(f"{pace:.1f} s/step" if pace >= 0.1 else f"{pace * 1000:.0f} ms/step")
         parts.append(f"ETA {_duration(eta)}")
         return " | ".join(parts)
 

@@ -212,7 +212,7 @@ class Progress:
         start: The step it starts from (a resumed run counts its pace from there).
     """
 
-    def __init__(self, *, total: int, start: int = 0, every_s: float = 10.0) -> None:
+    def __init__(self, *, total: int, start: int = 0, every_s: float = 5.0) -> None:
         self.total = total
         self.start = start
         self.every_s = every_s

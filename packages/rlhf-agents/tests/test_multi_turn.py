@@ -469,8 +469,10 @@ def test_failed_episodes_follow_the_failure_policy(tmp_path, tokenizer, policy) 
     prompts = [chat(tokenizer, "go")] * 3
     labels = ["fine", "broken at step 2", "broken at reset"]
     if policy == "raise":
-        with pytest.raises(EnvironmentStepError, match="sandbox crashed|no such task"):
+        with pytest.raises(EnvironmentStepError, match="sandbox crashed|no such task") as caught:
             run(ex, prompts, labels)
+        # The environment file's own traceback lines come with the message.
+        assert "    raise RuntimeError(" in str(caught.value)
         return
     result = run(ex, prompts, labels)
     by_prompt = {t.prompt_index: t for t in result.trajectories}

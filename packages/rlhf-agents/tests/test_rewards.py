@@ -289,3 +289,28 @@ def test_a_scorer_is_reusable_across_event_loops(tmp_path) -> None:
     path = write(tmp_path, "def reward_func(q, p, l, **kw):\n    return [1.0] * len(q)\n")
     scorer = FunctionReward.from_file(path)
     assert score(scorer).rewards == score(scorer).rewards == [1.0, 1.0, 1.0]
+
+
+def test_a_raising_reward_file_is_named_with_its_own_traceback_lines(tmp_path) -> None:
+    # The lines of the user's file, innermost last, and none of the framework's.
+    import asyncio
+
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "def reward_func(queries, prompts, labels, **kwargs):\n"
+        "    return helper(queries)\n"
+        "\n"
+        "def helper(queries):\n"
+        "    raise KeyError('answer')\n"
+    )
+    scorer = FunctionReward.from_file(str(path))
+    with pytest.raises(RewardError) as caught:
+        asyncio.run(scorer.score(queries=["a"], prompts=["p"], labels=["l"]))
+    lines = [x for x in str(caught.value).splitlines() if x.strip(" ^~")]  # carets aside
+    assert lines[0].endswith("raised on samples 0..0: KeyError('answer')")
+    assert lines[1:] == [
+        f'  File "{path}", line 2, in reward_func',
+        "    return helper(queries)",
+        f'  File "{path}", line 5, in helper',
+        "    raise KeyError('answer')",
+    ]

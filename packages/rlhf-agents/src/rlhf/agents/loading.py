@@ -63,3 +63,14 @@ def load_symbol(path: str | pathlib.Path, symbol: str, *, purpose: str) -> Any:
         raise AttributeError(
             f"{purpose} file {str(path)!r} defines no {symbol!r}; it defines: {public}"
         ) from None
+
+
+def user_traceback(exc: BaseException, *, last: int = 5) -> str:
+    """The lines of ``exc``'s traceback that lie in files `load_module` imported (the user's
+    reward, environment and agent files), innermost last, as Python prints them; empty when
+    none does. What a person needs to find their bug, without the framework's frames."""
+    import traceback
+
+    files = {str(module.__file__) for _, module in _LOADED.values() if module.__file__}
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename in files]
+    return "".join(traceback.format_list(frames[-last:])).rstrip()

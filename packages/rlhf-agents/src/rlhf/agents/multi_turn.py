@@ -23,6 +23,7 @@ from rlhf.agents.environments import (
     coerce_step_result,
     maybe_await,
 )
+from rlhf.agents.loading import user_traceback
 from rlhf.agents.rewards import FailurePolicy
 from rlhf.agents.seeds import seeded
 from rlhf.agents.single_turn import ExecutorResult, batch_indices
@@ -199,7 +200,10 @@ class MultiTurnExecutor:
                 f"{what} did not return within {self.step_timeout_s} s (step_timeout_s)"
             ) from None
         except Exception as exc:
-            raise EnvironmentStepError(f"{what} raised {exc!r}") from exc
+            where = user_traceback(exc)
+            raise EnvironmentStepError(
+                f"{what} raised {exc!r}" + (f"\n{where}" if where else "")
+            ) from exc
 
     async def run(
         self,

@@ -39,6 +39,7 @@ from typing import Any
 
 from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.environments import EnvironmentStepError
+from rlhf.agents.loading import user_traceback
 from rlhf.agents.rewards import FailurePolicy
 from rlhf.agents.seeds import request_seed
 from rlhf.agents.single_turn import ExecutorResult, batch_indices
@@ -380,7 +381,10 @@ class OpenRLHFAgentRunner:
             return _trajectory(out, calls, prompt_index, sample_index)
         except Exception as exc:
             if self.policy.on_failure == "raise":
-                raise EnvironmentStepError(f"{where}: execute() failed: {exc!r}") from exc
+                frames = user_traceback(exc)
+                raise EnvironmentStepError(
+                    f"{where}: execute() failed: {exc!r}" + (f"\n{frames}" if frames else "")
+                ) from exc
             return f"{where}: execute() failed: {exc!r}"
         finally:
             self.engine.open.remove(calls)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from rlhf.agents._aio import in_daemon_thread
-from rlhf.agents.loading import load_symbol
+from rlhf.agents.loading import load_symbol, user_traceback
 from rlhf.agents.types import finite_float
 
 FailureMode = Literal["raise", "skip", "fallback"]
@@ -278,8 +278,10 @@ class FunctionReward:
             if self.applier.policy.on_failure == "raise":
                 if isinstance(exc, RewardError):
                     raise
+                where = user_traceback(exc)
                 raise RewardError(
                     f"{self.source} raised on samples {lo}..{hi - 1}: {exc!r}"
+                    + (f"\n{where}" if where else "")
                 ) from exc
             if hi - lo > 1:  # isolate the culprits one sample at a time
                 for i in range(lo, hi):

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import re
 import textwrap
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -121,7 +122,7 @@ def _field(cls: type, dotted: str) -> tuple[type, str, Any]:
 
 
 def _members(kind: Any) -> list[Any]:
-    if typing.get_origin(kind) in (typing.Union, __import__("types").UnionType):
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
         return [a for a in typing.get_args(kind) if a is not type(None)]
     return [kind]
 

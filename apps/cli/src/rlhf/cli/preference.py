@@ -42,10 +42,9 @@ from rlhf.cli.trainer_state import (
     check_resume,
     open_trainer_sinks,
     rows_crc32,
-    save_hf_at,
+    save_step,
     saves_at,
     steps_of_epochs,
-    trainer_state,
     training_rows,
 )
 
@@ -446,18 +445,8 @@ def run_preference(
                 accuracy = _accuracy(group, held, kind=kind, micro=micro)
                 log.write({"step": step, f"{kind}/eval_accuracy": accuracy})
             if saves_at(step, ckpt=config.ckpt, num_steps=config.num_steps):
-                if config.ckpt.save_state:
-                    state = trainer_state(command=kind, step=step, shape=config.shape, order=order)
-                    path = group.save(
-                        str(ckpt_root), step, client_state=state, keep=config.ckpt.keep
-                    )
-                    echo(f"[ckpt] {path}")
-                if config.ckpt.save_hf:
-                    path = save_hf_at(
-                        group.export_hf, run_dir=run_dir, step=step, keep=config.ckpt.keep
-                    )
-                    tokenizer.save_pretrained(path)
-                    echo(f"[ckpt] {path}")
+                save_step(group, command=kind, step=step, config=config, order=order,
+                          tokenizer=tokenizer, run_dir=run_dir, echo=echo)  # fmt: skip
         if held is not None:
             result["eval_accuracy_end"] = _accuracy(group, held, kind=kind, micro=micro)
             log.write(

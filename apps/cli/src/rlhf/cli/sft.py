@@ -32,10 +32,9 @@ from rlhf.cli.trainer_state import (
     check_resume,
     open_trainer_sinks,
     rows_crc32,
-    save_hf_at,
+    save_step,
     saves_at,
     steps_of_epochs,
-    trainer_state,
     training_rows,
 )
 
@@ -301,18 +300,8 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
             if progress.due(step):
                 echo(f"[sft] {progress.line(step, {})} | loss {out['loss']:.4f}")
             if saves_at(step, ckpt=config.ckpt, num_steps=config.num_steps):
-                if config.ckpt.save_state:
-                    state = trainer_state(command="sft", step=step, shape=config.shape, order=order)
-                    path = group.save(
-                        str(ckpt_root), step, client_state=state, keep=config.ckpt.keep
-                    )
-                    echo(f"[ckpt] {path}")
-                if config.ckpt.save_hf:
-                    path = save_hf_at(
-                        group.export_hf, run_dir=run_dir, step=step, keep=config.ckpt.keep
-                    )
-                    tokenizer.save_pretrained(path)
-                    echo(f"[ckpt] {path}")
+                save_step(group, command="sft", step=step, config=config, order=order,
+                          tokenizer=tokenizer, run_dir=run_dir, echo=echo)  # fmt: skip
         if evals:
             echo(f"[sft] held-out loss {evals[0]:.4f} -> {evals[-1]:.4f}")
         if config.ckpt.export_hf:

@@ -202,6 +202,31 @@ def saves_at(step: int, *, ckpt: CkptConfig, num_steps: int) -> bool:
     return bool(ckpt.save_steps and step % ckpt.save_steps == 0) or step == num_steps
 
 
+def save_step(
+    group: Any,
+    *,
+    command: str,
+    step: int,
+    config: Any,
+    order: RowOrder,
+    tokenizer: Any,
+    run_dir: pathlib.Path,
+    echo: Callable[[str], None],
+) -> None:
+    """What ``rlhf train sft|rm|dpo`` saves after ``step``: the resumable checkpoint under
+    ``run_dir/checkpoints`` (``--ckpt.save_state``) and the HF export with the tokenizer
+    (``--ckpt.save_hf``), the ``--ckpt.keep`` newest of each kept."""
+    keep = config.ckpt.keep
+    if config.ckpt.save_state:
+        state = trainer_state(command=command, step=step, shape=config.shape, order=order)
+        path = group.save(str(run_dir / "checkpoints"), step, client_state=state, keep=keep)
+        echo(f"[ckpt] {path}")
+    if config.ckpt.save_hf:
+        path = save_hf_at(group.export_hf, run_dir=run_dir, step=step, keep=keep)
+        tokenizer.save_pretrained(path)
+        echo(f"[ckpt] {path}")
+
+
 HF_SAVES = "hf_checkpoints"
 """Where ``--ckpt.save_hf`` exports go under the run directory."""
 

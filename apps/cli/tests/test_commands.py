@@ -348,6 +348,19 @@ def test_bad_configs_and_data_name_the_flag(assets, tmp_path, args, message) -> 
     assert message in out.stderr
 
 
+def test_lossy_prompts_are_refused_before_start_up_under_the_flag(assets, tmp_path) -> None:
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"input": "12 日本:", "label": "21"}) + "\n")
+    out = rlhf(
+        "train", "grpo", "--actor.model.path", str(assets["model"]), "--data.prompt_data",
+        str(data), "--run_dir", str(tmp_path / "run"), "--data.lossy_prompts", "refuse",
+    )  # fmt: skip
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
+    assert f"{data} (p): 1 of 1 prompts lose 2 characters in the tokenizer" in out.stderr
+    assert "refused by --data.lossy_prompts refuse" in out.stderr
+    assert "[startup]" not in out.stdout and "Traceback" not in out.stderr
+
+
 def test_every_problem_is_listed_at_once_before_anything_starts(assets, tmp_path) -> None:
     """Out-of-range sizes and sampling values (a ZeroDivisionError, a run that trains
     nothing, or a failure after start-up before) are all named in one message, exit 2,

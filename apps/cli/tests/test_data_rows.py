@@ -61,16 +61,23 @@ def test_rows_that_are_not_prompts_are_named(tokenizer, value, config, message) 
         render({"input": value, "label": "1"}, 2, "f", config, tokenizer)
 
 
-def test_truncated_prompts_are_counted_in_the_metrics(assets, tmp_path) -> None:
-    """The demo prompts are 5 tokens (4 digits and ':'); with max_len 9 and 6 new tokens the
-    prompt budget is 3 tokens, so each of the 4 prompts of a step is cut."""
+def test_truncated_and_lossy_prompts_are_counted_in_the_metrics(assets, tmp_path) -> None:
+    """Four prompts of 5 tokens (4 digits and ':'); with max_len 9 and 6 new tokens the
+    prompt budget is 3 tokens, so each of the 4 prompts of the step is cut. Two of them also
+    hold a character the demo tokenizer drops (日): trained on, told and counted."""
+    data = tmp_path / "p.jsonl"
+    prompts = ["4213:", "日1234:", "3321:", "55日12:"]
+    data.write_text("".join(json.dumps({"input": p, "label": "1"}) + "\n" for p in prompts))
     args = [*small_run(assets, steps=1, prompts=4, samples=2, max_new_tokens=6)]
     args[args.index("--rollout.max_len") + 1] = "9"
-    out = rlhf("train", "grpo", "--run_dir", str(tmp_path), *args)
+    args[args.index("--data.prompt_data") + 1] = str(data)
+    out = rlhf("train", "grpo", "--run_dir", str(tmp_path / "run"), *args)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert f"[data] {data} (p): 2 of 4 prompts lose 2 characters" in out.stdout
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     (step,) = [r for r in rows if "reward/mean" in r]
     assert step["rollout/prompts_truncated"] == 4.0
+    assert (step["data/lossy_prompts"], step["data/unknown_chars"]) == (2.0, 2.0)
 
 
 def test_pass_at_k_counts_solved_samples_not_partial_credit() -> None:

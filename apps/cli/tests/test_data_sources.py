@@ -407,38 +407,80 @@ def test_a_trainer_dataset_without_rows_is_named(tmp_path) -> None:
         training_rows(config)
 
 
-def test_null_and_numeric_labels_are_told_once_per_source() -> None:
-    from rlhf.cli.data import label_notes
+def test_numeric_prompts_and_null_or_numeric_labels_are_told_once_per_source() -> None:
+    from rlhf.cli.data import field_notes
 
     train = [
         Prompt("a", None, "t.jsonl"),
         Prompt("b", "x", "t.jsonl"),
         Prompt("c", None, "t.jsonl"),
     ]
-    held = [Prompt("d", 42.0, "e.parquet"), Prompt("e", 7, "e.parquet")]
-    notes = label_notes([("t", train), ("held", held), ("ok", [Prompt("f", "1", "o")])],
-                        label_key="answer")  # fmt: skip
+    held = [Prompt("d", 42.0, "e.parquet"), Prompt("7", 7, "e.parquet", numeric_input=True)]
+    notes = field_notes([("t", train), ("held", held), ("ok", [Prompt("f", "1", "o")])],
+                        input_key="q", label_key="answer")  # fmt: skip
     assert notes == [
         "t.jsonl (t): 2 of 3 labels are null (--data.label_key 'answer'; row 0 first); the "
         "reward function receives None for them",
+        "e.parquet (held): 1 of 2 prompts are numbers (--data.input_key 'q'; row 1: '7'); each "
+        "is used as its decimal text: check the column if the prompts should be text",
         "e.parquet (held): 2 of 2 labels are numbers (row 0: 42.0); a reward that compares "
         "text, such as builtin:exact_match, compares '42.0'",
     ]
 
 
-def test_prompts_the_tokenizer_cannot_represent_are_told(assets) -> None:
+def test_a_parquet_column_of_numbers_is_told_as_it_loads(tmp_path, assets) -> None:
+    """Integers in the input column and floats in the label column: the prompts are their
+    decimal text, and both columns are named in the notes."""
+    from transformers import AutoTokenizer
+
+    from rlhf.cli.data import field_notes
+
+    path = _write_parquet(tmp_path, [{"input": 1234, "label": 4321.0}] * 3)
+    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
+    loaded = load_prompts(str(path), DataConfig(input_template="{}:"), tokenizer)
+    assert [p.text for p in loaded["rows"]] == ["1234:"] * 3
+    prompts_note, labels_note = field_notes(loaded.items(), input_key="input", label_key="label")
+    assert prompts_note.startswith(f"{path} (rows): 3 of 3 prompts are numbers")
+    assert labels_note.startswith(f"{path} (rows): 3 of 3 labels are numbers (row 0: 4321.0)")
+
+
+def _lossy(assets) -> tuple[list[Prompt], object]:
     # The demo's tokenizer knows digits and a few symbols, without byte fallback: "日本" is
     # dropped on the way in.
     from transformers import AutoTokenizer
 
-    from rlhf.cli.data import lossy_prompt_notes
-
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
-    prompts = [Prompt("12 34:", "1", "p.jsonl"), Prompt("5 日本 6:", "2", "p.jsonl")]
-    (note,) = lossy_prompt_notes([("p", prompts)], tokenizer)
-    assert note.startswith("p.jsonl (p): 1 of 2 prompts lose characters in the tokenizer "
-                           "(prompt 1: '5 日本 6:' reads back as")  # fmt: skip
-    assert lossy_prompt_notes([("p", prompts[:1])], tokenizer) == []
+    prompts = [Prompt("12 34:", "1", "p.jsonl"), Prompt("5 日本 6:", "2", "p.jsonl"),
+               Prompt("日 7:", "3", "p.jsonl")]  # fmt: skip
+    return prompts, tokenizer
+
+
+def test_prompts_the_tokenizer_cannot_represent_are_told(assets) -> None:
+    from rlhf.cli.data import lossy_prompts
+
+    prompts, tokenizer = _lossy(assets)
+    (found,) = lossy_prompts([("p", prompts)], tokenizer)
+    # Two prompts lose characters: 日本 from one, 日 from the other.
+    assert (found.lossy, found.checked, found.unknown_chars) == (2, 3, 3)
+    assert found.note().startswith("p.jsonl (p): 2 of 3 prompts lose 3 characters in the "
+                                   "tokenizer (prompt 1: '5 日本 6:' reads back as")  # fmt: skip
+    assert lossy_prompts([("p", prompts[:1])], tokenizer) == []
+
+
+def test_lossy_prompts_are_counted_or_refused(assets) -> None:
+    from rlhf.cli.data import check_prompts
+
+    prompts, tokenizer = _lossy(assets)
+    lines: list[str] = []
+    metrics = check_prompts([("p", prompts)], DataConfig(), tokenizer, echo=lines.append)
+    assert metrics == {"data/lossy_prompts": 2.0, "data/unknown_chars": 3.0}
+    (line,) = lines
+    assert line.startswith("[data] p.jsonl (p): 2 of 3 prompts lose 3 characters")
+    with pytest.raises(DataSourceError, match=r"refused by --data\.lossy_prompts refuse"):
+        check_prompts([("p", prompts)], DataConfig(lossy_prompts="refuse"), tokenizer,
+                      echo=lines.append)  # fmt: skip
+    clean = check_prompts([("p", prompts[:1])], DataConfig(), tokenizer, echo=lines.append)
+    assert clean == {"data/lossy_prompts": 0.0, "data/unknown_chars": 0.0}
 
 
 def test_an_empty_step_says_which_cause_took_its_samples() -> None:

@@ -81,6 +81,10 @@ class DataConfig:
         max_samples: Use at most this many prompts per source.
         eval_data: Evaluation prompts (same fields); ``name=path`` pairs, comma-separated,
             are reported per data source.
+        lossy_prompts: Prompts whose characters the tokenizer cannot encode (they read back
+            without them): ``warn`` trains on them, says so once per source with an example
+            and counts them (``data/lossy_prompts``, ``data/unknown_chars`` in the first
+            step's metrics); ``refuse`` stops before start-up.
     """
 
     prompt_data: str = ""
@@ -91,6 +95,7 @@ class DataConfig:
     apply_chat_template: bool = False
     max_samples: int | None = None
     eval_data: str = ""
+    lossy_prompts: Literal["warn", "refuse"] = "warn"
 
 
 @dataclass(frozen=True)

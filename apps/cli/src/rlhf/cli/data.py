@@ -7,7 +7,8 @@ import json
 import math
 import pathlib
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +24,13 @@ class DataSourceError(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: the text the policy sees (templated) and its label."""
+    """One prompt: the text the policy sees (templated) and its label; ``numeric_input``: the
+    row held a number where the prompt text goes (used as its decimal text)."""
 
     text: str
     label: Any
     source: str
+    numeric_input: bool = False
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
@@ -167,7 +170,8 @@ def render(
                 f"--data.input_template {config.input_template!r} cannot wrap a prompt ({exc!r}):"
                 " it takes the prompt as one positional '{}', e.g. 'Q: {}\\nA:'"
             ) from None
-    return Prompt(text, row[config.label_key], source)
+    numeric = messages is None and not isinstance(value, str)
+    return Prompt(text, row[config.label_key], source, numeric_input=numeric)
 
 
 def _chat_messages(value: Any) -> list[dict[str, str]] | None:
@@ -325,22 +329,32 @@ def dataset_rows(
     return out[:max_samples]
 
 
-def label_notes(sources: Iterable[tuple[str, Sequence[Prompt]]], *, label_key: str) -> list[str]:
-    """What a person should know about the labels of each prompt source before training:
-    how many are null (the reward function receives None) and how many are numbers (a text
-    comparison such as builtin:exact_match reads 42.0 as "42.0", not "42"), with an example.
-    Empty when every label is text."""
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def field_notes(
+    sources: Iterable[tuple[str, Sequence[Prompt]]], *, input_key: str, label_key: str
+) -> list[str]:
+    """What a person should know about the fields of each prompt source before training:
+    how many prompts were numbers (used as their decimal text: a column of the wrong type, or
+    a task of digits), how many labels are null (the reward function receives None) and how
+    many are numbers (a text comparison such as builtin:exact_match reads 42.0 as "42.0",
+    not "42"), each with an example. Empty when every prompt and label is text."""
     notes = []
     for name, prompts in sources:
         if not prompts:
             continue
         where = f"{prompts[0].source} ({name})" if name != prompts[0].source else name
+        inputs = [i for i, p in enumerate(prompts) if p.numeric_input]
         null = [i for i, p in enumerate(prompts) if p.label is None]
-        numbers = [
-            i
-            for i, p in enumerate(prompts)
-            if isinstance(p.label, int | float) and not isinstance(p.label, bool)
-        ]
+        numbers = [i for i, p in enumerate(prompts) if _is_number(p.label)]
+        if inputs:
+            notes.append(
+                f"{where}: {len(inputs)} of {len(prompts)} prompts are numbers (--data.input_key "
+                f"{input_key!r}; row {inputs[0]}: {prompts[inputs[0]].text!r:.40}); each is "
+                "used as its decimal text: check the column if the prompts should be text"
+            )
         if null:
             notes.append(
                 f"{where}: {len(null)} of {len(prompts)} labels are null (--data.label_key "
@@ -357,36 +371,99 @@ def label_notes(sources: Iterable[tuple[str, Sequence[Prompt]]], *, label_key: s
 
 
 LOSSY_CHECKED = 10_000
-"""Prompts per source `lossy_prompt_notes` reads back through the tokenizer."""
+"""Prompts per source `lossy_prompts` reads back through the tokenizer."""
 
 
-def lossy_prompt_notes(
+@dataclass(frozen=True)
+class LossyPrompts:
+    """A prompt source whose text the tokenizer cannot represent.
+
+    Attributes:
+        source: The file; ``name`` the source's name.
+        lossy: Prompts that lose characters, of ``checked`` read back.
+        unknown_chars: Characters lost over those prompts (``data/unknown_chars``).
+        example: The first such prompt's index, its text and what its tokens read back as.
+    """
+
+    source: str
+    name: str
+    lossy: int
+    checked: int
+    total: int
+    unknown_chars: int
+    example: tuple[int, str, str]
+
+    def note(self) -> str:
+        i, text, back = self.example
+        checked = f"the first {self.checked}" if self.checked < self.total else f"{self.checked}"
+        return (
+            f"{self.source} ({self.name}): {self.lossy} of {checked} prompts lose "
+            f"{self.unknown_chars} characters in the tokenizer (prompt {i}: {text!r:.80} reads "
+            f"back as {back!r:.80}); the policy never sees them: use a tokenizer that covers "
+            "them, or clean the data"
+        )
+
+
+def lossy_prompts(
     sources: Iterable[tuple[str, Sequence[Prompt]]], tokenizer: Any
-) -> list[str]:
+) -> list[LossyPrompts]:
     """Prompt sources whose text the tokenizer cannot represent: a prompt whose non-space
     characters do not read back from its tokens has lost some (a tokenizer without those
-    characters, and no byte fallback, drops them), so the policy never sees them. One note per
-    such source, with the count and the first example; the first `LOSSY_CHECKED` prompts of a
-    source are checked (enough to see a tokenizer that does not fit the data)."""
-    notes = []
+    characters, and no byte fallback, drops them), so the policy never sees them. The lost
+    characters are the multiset difference of the non-space characters before and after; the
+    first `LOSSY_CHECKED` prompts of a source are checked (enough to see a tokenizer that
+    does not fit the data)."""
+    found = []
     for name, prompts in sources:
         texts = [p.text for p in prompts[:LOSSY_CHECKED]]
         if not texts:
             continue
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         back = tokenizer.batch_decode(ids)
-        lost = [i for i, (t, b) in enumerate(zip(texts, back, strict=True))
-                if "".join(t.split()) != "".join(b.split())]  # fmt: skip
+        lost = {
+            i: sum((Counter("".join(t.split())) - Counter("".join(b.split()))).values())
+            for i, (t, b) in enumerate(zip(texts, back, strict=True))
+            if "".join(t.split()) != "".join(b.split())
+        }
         if lost:
-            i = lost[0]
-            checked = f"the first {len(texts)}" if len(texts) < len(prompts) else f"{len(texts)}"
-            notes.append(
-                f"{prompts[0].source} ({name}): {len(lost)} of {checked} prompts lose "
-                f"characters in the tokenizer (prompt {i}: {texts[i]!r:.80} reads back as "
-                f"{back[i]!r:.80}); the policy never sees them: use a tokenizer that covers "
-                "them, or clean the data"
+            i = min(lost)
+            found.append(
+                LossyPrompts(
+                    source=prompts[0].source,
+                    name=name,
+                    lossy=len(lost),
+                    checked=len(texts),
+                    total=len(prompts),
+                    unknown_chars=sum(lost.values()),
+                    example=(i, texts[i], back[i]),
+                )
             )
-    return notes
+    return found
+
+
+def check_prompts(
+    sources: Sequence[tuple[str, Sequence[Prompt]]],
+    data: DataConfig,
+    tokenizer: Any,
+    *,
+    echo: Callable[[str], None],
+) -> dict[str, float]:
+    """Tell what a person should know about the prompts (`field_notes`, `lossy_prompts`) as
+    ``[data]`` lines; refuse lossy prompts under ``--data.lossy_prompts refuse``. Returns the
+    counts for the first step's metrics."""
+    for note in field_notes(sources, input_key=data.input_key, label_key=data.label_key):
+        echo(f"[data] {note}")
+    lossy = lossy_prompts(sources, tokenizer)
+    if lossy and data.lossy_prompts == "refuse":
+        raise DataSourceError(
+            f"{lossy[0].note()} (refused by --data.lossy_prompts refuse; 'warn' trains on them)"
+        )
+    for found in lossy:
+        echo(f"[data] {found.note()}")
+    return {
+        "data/lossy_prompts": float(sum(f.lossy for f in lossy)),
+        "data/unknown_chars": float(sum(f.unknown_chars for f in lossy)),
+    }
 
 
 def prompt_sources(

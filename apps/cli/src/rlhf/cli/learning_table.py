@@ -16,6 +16,7 @@ import pathlib
 import re
 
 from rlhf.cli.demo import DemoConfig, run_demo
+from rlhf.cli.demo_numbers import machine
 
 ALGOS = ("grpo", "ppo", "reinforce", "reinforce_baseline", "rloo", "dr_grpo")
 NAMES = {
@@ -66,6 +67,7 @@ def run_table(config: DemoConfig, rows: tuple[Row, ...] = ROWS) -> str:
             f"| {row.label} | {r['start_pass@1']:.3f} | {r['end_pass@1']:.3f} | "
             f"{r['rl_wall_s']:.0f} s |"
         )
+    lines += ["", f"Measured on a {machine()} (`nox -s learning-table`)."]
     return "\n".join(lines)
 
 

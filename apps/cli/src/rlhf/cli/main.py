@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -172,16 +172,18 @@ def _command(command: str, rest: list[str], args: list[str], *, debug: bool) -> 
     """Run one command; user errors reported (exit 2, or 1 for a run that cannot go on)."""
     from rlhf.agents import EnvironmentStepError, RewardError
     from rlhf.cli.config import ConfigError, RunError
+    from rlhf.cli.console import Console
     from rlhf.cli.data import DataSourceError
     from rlhf.learner import CheckpointError, DataError, ModelLoadError
 
+    console = Console(sys.stdout)
     try:
         if command == "demo":
             from rlhf.cli.demo import DemoConfig, run_demo
 
-            run_demo(_parse(DemoConfig, rest, DemoConfig(), "rlhf demo"))
+            run_demo(_parse(DemoConfig, rest, DemoConfig(), "rlhf demo"), echo=console)
         elif command == "train":
-            return _train(rest)
+            return _train(rest, echo=console)
         elif command == "serve-rm":
             from rlhf.cli.serve_rm import serve_rm
 
@@ -204,11 +206,15 @@ def _command(command: str, rest: list[str], args: list[str], *, debug: bool) -> 
         RewardError,
         EnvironmentStepError,
     ) as exc:
+        console.close()  # the message starts on a line of its own
         _report(exc, debug=debug)
         return 2
     except RunError as exc:
+        console.close()
         _report(exc, debug=debug)
         return 1
+    finally:
+        console.close()
     return 0
 
 
@@ -227,7 +233,8 @@ def _message(exc: BaseException) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
-def _train(rest: list[str]) -> int:
+def _train(rest: list[str], *, echo: Callable[[str], None]) -> int:
+    """``rlhf train …``; the run's lines go to ``echo``."""
     from rlhf.cli.presets import PRESETS
 
     if not rest or rest[0] in ("-h", "--help", "--help-all"):
@@ -255,7 +262,7 @@ def _train(rest: list[str]) -> int:
                 tokens=sft.micro_batch_tokens, outputs_scalar=False,
             )  # fmt: skip
             return dry_run.show(*plan)
-        run_sft(sft)
+        run_sft(sft, echo=echo)
         return 0
     if algo in ("rm", "dpo"):
         from rlhf.cli.preference import run_preference
@@ -267,7 +274,7 @@ def _train(rest: list[str]) -> int:
                 tokens=parsed.micro_batch_tokens, outputs_scalar=algo == "rm",
             )  # fmt: skip
             return dry_run.show(*plan)
-        run_preference(parsed, kind=algo)
+        run_preference(parsed, kind=algo, echo=echo)
         return 0
     from rlhf.cli.rl import run_rl
     from rlhf.cli.startup import Stopwatch
@@ -276,7 +283,7 @@ def _train(rest: list[str]) -> int:
     config = parse_rl(algo, flags)
     if config.dry_run:
         return dry_run.show(*dry_run.capacity_plan(config.validate()))
-    run_rl(config.validate(), stopwatch=watch)
+    run_rl(config.validate(), stopwatch=watch, echo=echo)
     return 0
 
 

@@ -9,10 +9,12 @@ import json
 import math
 import pathlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from rlhf.cli.config import ConfigError, TrainConfig
+from rlhf.cli.console import bar as progress_bar
+from rlhf.cli.console import live_console
 
 
 class MetricsSink(Protocol):
@@ -204,37 +206,67 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
 
 
 class Progress:
-    """The console's view of a run: one line per step with the step out of the total, reward,
-    response length, generated tokens per second and the time left at the pace so far.
+    """The console's view of a run: the step out of the total, reward, response length,
+    generated tokens per second and the time left at the pace so far. On a terminal
+    (`rlhf.cli.console.Console`) a bar redrawn in place at every step; elsewhere a plain line
+    every ``every_s`` seconds (0: every step), and the first and the last.
 
     Args:
         total: Steps of the run.
         start: The step it starts from (a resumed run counts its pace from there).
+        echo: Where the lines go.
     """
 
-    def __init__(self, *, total: int, start: int = 0, every_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        total: int,
+        start: int = 0,
+        every_s: float = 5.0,
+        echo: Callable[[str], None] = print,
+    ) -> None:
         self.total = total
         self.start = start
         self.every_s = every_s
+        self.echo = echo
         self._t0 = time.monotonic()
         self._shown = -float("inf")
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int, *, every_s: float | None = None) -> bool:
         """Whether to show ``step`` (steps done): the first and the last, and one whenever
-        ``every_s`` passed since the last shown (a long run says where it is without a line
-        per step)."""
+        ``every_s`` (default the progress's) passed since the last shown (a long run says
+        where it is without a line per step)."""
         now = time.monotonic()
-        if step in (self.start + 1, self.total) or now - self._shown >= self.every_s:
+        every = self.every_s if every_s is None else every_s
+        if step in (self.start + 1, self.total) or now - self._shown >= every:
             self._shown = now
             return True
         return False
 
-    def line(self, step: int, metrics: Mapping[str, Any]) -> str:
-        """``step`` is the number of steps done; ``metrics`` the step's metrics."""
+    def show(
+        self, step: int, metrics: Mapping[str, Any], *, prefix: str = "", suffix: str = ""
+    ) -> None:
+        """Show ``step`` (steps done) with its ``metrics``, between ``prefix`` and ``suffix``:
+        on a live console as the status line (redrawn at most 10 times a second, and ended
+        at the last step), else as a line when `due`."""
+        console = live_console(self.echo)
+        if console is None:
+            if self.due(step):
+                self.echo(f"{prefix}{self.line(step, metrics)}{suffix}")
+            return
+        if self.due(step, every_s=0.1):
+            console.status(f"{prefix}{self.line(step, metrics, bar=True)}{suffix}")
+        if step == self.total:
+            console.close()
+
+    def line(self, step: int, metrics: Mapping[str, Any], *, bar: bool = False) -> str:
+        """``step`` is the number of steps done; ``metrics`` the step's metrics; ``bar``: a
+        progress bar beside the step count."""
         elapsed = time.monotonic() - self._t0
         done = max(step - self.start, 1)
         eta = elapsed / done * (self.total - step)
-        parts = [f"[{step}/{self.total}]"]
+        drawn = f" {progress_bar(step, self.total)}" if bar else ""
+        parts = [f"[{step}/{self.total}{drawn}]"]
         if "reward/mean" in metrics:
             parts.append(f"reward {metrics['reward/mean']:.3f}")
         length = metrics.get("rollout/response_length_mean")

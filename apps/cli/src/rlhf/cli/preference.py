@@ -421,7 +421,7 @@ def run_preference(
             group.load(str(resume.path))
             start = resume.step
             echo(f"[resume] from {resume.path} at step {start}")
-        progress = Progress(total=config.num_steps, start=start)
+        progress = Progress(total=config.num_steps, start=start, echo=echo)
         for step in range(start + 1, config.num_steps + 1):
             picked = order.take(config.batch_size)
             micro_batches, objective = preference_step(train, picked, config=config, kind=kind)
@@ -437,8 +437,7 @@ def run_preference(
                     "data/rows_crc32": rows_crc32(picked),
                 }
             )
-            if progress.due(step):
-                echo(f"[{kind}] {progress.line(step, {})} | loss {out['loss']:.4f}")
+            progress.show(step, {}, prefix=f"[{kind}] ", suffix=f" | loss {out['loss']:.4f}")
             every = config.eval_steps
             # (the last step's evaluation is written below)
             if held is not None and every and step % every == 0 and step != config.num_steps:

@@ -35,8 +35,7 @@ from rlhf.cli.config import RLConfig
 from rlhf.cli.data import (
     Prompt,
     PromptSampler,
-    label_notes,
-    lossy_prompt_notes,
+    check_prompts,
     prompt_sources,
 )
 from rlhf.cli.faults import actor_died, resume_hint
@@ -125,9 +124,7 @@ def run_rl(
     tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
     sampler, eval_prompts = prompt_sources(config.data, tokenizer, seed=config.train.seed)
     named = [*zip(sampler.names, sampler.sources, strict=True), *eval_prompts.items()]
-    notes = label_notes(named, label_key=config.data.label_key)
-    for note in notes + lossy_prompt_notes(named, tokenizer):
-        echo(f"[data] {note}")
+    data_metrics = check_prompts(named, config.data, tokenizer, echo=echo)
     best = None
     if config.eval.best_metric:
         check_metric(config.eval.best_metric, sources=eval_prompts, n_samples=config.eval.n_samples)
@@ -201,11 +198,12 @@ def run_rl(
             stopwatch=watch,
             best=best,
         )
+        driver.carried_metrics.update(data_metrics)
         enable_revival(driver, kind=transport, gpu=cluster.gpu, echo=echo)  # rlhf.cli.revive
         (run_dir / "placement.json").write_text(json.dumps(roles.report_placement(), indent=1))
         watch.lap("roles")
         start, queue = driver.resume(resume_from) if resume_from is not None else (0, [])
-        driver.progress = Progress(total=config.train.num_steps, start=start)
+        driver.progress = Progress(total=config.train.num_steps, start=start, every_s=0, echo=echo)
         asyncio.run(driver.run(start, queue))
         driver.enter("training", record=False)  # the learners' states back on the device
         if config.ckpt.export_hf:
@@ -251,7 +249,8 @@ class RLDriver:
     last: dict[str, Any] = dataclasses.field(default_factory=dict)
     evaluations: list[dict[str, float]] = dataclasses.field(default_factory=list)
     trained_sampler_state: dict[str, Any] = dataclasses.field(default_factory=dict)
-    hybrid_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Metrics that join the next step's row: the data checks', the hybrid phases'.
+    carried_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.kl_ctl = make_kl_controller(self.config.algo.kl)
@@ -273,7 +272,7 @@ class RLDriver:
         if turns is not None:
             metrics = turns.enter(phase, learning=learning)
             if record:
-                self.hybrid_metrics.update(metrics)
+                self.carried_metrics.update(metrics)
             while turns.notes:
                 self.echo(turns.notes.pop(0))
 
@@ -403,8 +402,8 @@ class RLDriver:
 
     async def finish(self, step: int, metrics: dict[str, Any], queue: list[Rollout]) -> None:
         c = self.config
-        metrics.update(self.hybrid_metrics)
-        self.hybrid_metrics = {}
+        metrics.update(self.carried_metrics)
+        self.carried_metrics = {}
         metrics["step"] = step + 1
         # The step's wall time: since the previous step's row (after its evaluation and
         # checkpoint), so generation, learning, sync and what the driver adds between them.
@@ -418,9 +417,9 @@ class RLDriver:
             )
             self.echo(f"[startup] {self.stopwatch.line()}")
             self.stopwatch = None
-        if self.progress is not None:
-            self.echo(self.progress.line(step + 1, metrics))
         self.echo(summary_line(metrics))
+        if self.progress is not None:
+            self.progress.show(step + 1, metrics)
         last = step + 1 == c.train.num_steps
         if self.eval_prompts and c.eval.steps and ((step + 1) % c.eval.steps == 0 or last):
             await self.evaluate(step + 1)

@@ -329,39 +329,40 @@ def start_roles(
 ) -> Roles:
     """Place and start every process of the run; they are ready when this returns (when
     each became ready goes to ``stopwatch``, and as ``[startup]`` lines to ``echo``)."""
-    placement = place(config, gpu=gpu)
-    say = echo or (lambda _line: None)
-    sleep = gpu and config.train.colocate_all and config.vllm.enable_sleep is not False
-    side_by_side = not (gpu and config.train.colocate_all)
-    start = time.perf_counter()
-    launch = engine_launch(
-        config.vllm,
-        model=config.actor.model.path,
-        max_model_len=config.rollout.max_len,
-        seed=config.train.seed,
-        sleep=sleep,
-        placement=placement,
-        gpu=gpu,
-    )
-    warm = warm_roles()
-    keys: dict[str, str] = {}
-    if launch.scheduling is None:
-        keys["engines"] = repr(launch)
-    engines: list[RayEngine] = []
-    groups: dict[str, LearnerGroup] = {}
-    # Warm engines are taken over once the learners build (their reset overlaps the builds);
-    # new ones start first, the slowest role (and on shared GPUs, before the learners).
-    warm_engines = warm is not None and "engines" in keys
-    ready: dict[str, float] = {}
-    pending: dict[str, Sequence[Any]] = {}
     learners = role_configs(config, total_optimizer_steps=total_optimizer_steps)
+    say = echo or (lambda _line: None)
     say(
         f"[startup] starting {config.vllm.num_engines} vLLM engine(s) and the "
         + ", ".join(f"{name} ({role.num_ranks} rank{'s' * (role.num_ranks > 1)})"
                     for name, (role, _) in learners.items())
         + "…"
     )  # fmt: skip
-    try:
+    sleep = gpu and config.train.colocate_all and config.vllm.enable_sleep is not False
+    side_by_side = not (gpu and config.train.colocate_all)
+    start = time.perf_counter()
+    engines: list[RayEngine] = []
+    groups: dict[str, LearnerGroup] = {}
+    placement = place(config, gpu=gpu)
+    try:  # nothing started may outlive a run that could not start (the except below)
+        launch = engine_launch(
+            config.vllm,
+            model=config.actor.model.path,
+            max_model_len=config.rollout.max_len,
+            seed=config.train.seed,
+            sleep=sleep,
+            placement=placement,
+            gpu=gpu,
+        )
+        warm = warm_roles()
+        keys: dict[str, str] = {}
+        if launch.scheduling is None:
+            keys["engines"] = repr(launch)
+        # Warm engines are taken over once the learners build (their reset overlaps the
+        # builds); new ones start first, the slowest role (and on shared GPUs, before the
+        # learners).
+        warm_engines = warm is not None and "engines" in keys
+        ready: dict[str, float] = {}
+        pending: dict[str, Sequence[Any]] = {}
         if not warm_engines:
             engines = launch.start(wait=not side_by_side)
             if side_by_side:
@@ -395,44 +396,44 @@ def start_roles(
             say(f"[startup] {name} ready after {waited_from + seconds:.1f} s")
 
         ready.update({n: waited_from + s for n, s in wait_ready(pending, report=announce).items()})
-    except BaseException:  # nothing started may outlive a run that could not start
+        if stopwatch is not None:
+            for name, seconds in ready.items():
+                stopwatch.ready(name, seconds)
+        turns = None
+        if config.train.colocate_all:
+            trained = [g for name, g in groups.items() if name in ("actor", "critic")]
+            offload, why = config.offloads_learners(gpu=gpu), ""
+            if offload and config.train.deepspeed_enable_sleep is None:
+                headroom = measure_headroom(trained)  # only when memory requires it
+                if headroom is not None:
+                    offload, why = not headroom.learners_fit, headroom.describe()
+            turns = TurnTaking(
+                engines=engines,
+                learners=trained,
+                sleep_engines=sleep,
+                offload_learners=offload,
+                # Unset: the first step measures whether training fits next to awake engines
+                # (when the learners move, memory is tight: the engines keep sleeping).
+                settle_sleep=sleep and config.vllm.enable_sleep is None and not offload,
+                others=[g for name, g in groups.items() if name not in ("actor", "critic")],
+                why=why,
+            )
+        return Roles(
+            engines=engines,
+            pool=EnginePool(engines, max_in_flight_per_engine=2 * config.vllm.max_num_seqs),
+            actor=groups["actor"],
+            ref=groups.get("ref"),
+            critic=groups.get("critic"),
+            reward_model=groups.get("reward_model"),
+            placement=placement,
+            turns=turns,
+            launch=launch,
+            warm_keys=keys,
+        )
+    except BaseException:
         for e in engines:
             e.shutdown()
         for g in groups.values():
             g.shutdown()
         placement.remove()
         raise
-    if stopwatch is not None:
-        for name, seconds in ready.items():
-            stopwatch.ready(name, seconds)
-    turns = None
-    if config.train.colocate_all:
-        trained = [g for name, g in groups.items() if name in ("actor", "critic")]
-        offload, why = config.offloads_learners(gpu=gpu), ""
-        if offload and config.train.deepspeed_enable_sleep is None:
-            headroom = measure_headroom(trained)  # only when memory requires it
-            if headroom is not None:
-                offload, why = not headroom.learners_fit, headroom.describe()
-        turns = TurnTaking(
-            engines=engines,
-            learners=trained,
-            sleep_engines=sleep,
-            offload_learners=offload,
-            # Unset: the first step measures whether training fits next to awake engines
-            # (when the learners move, memory is tight: the engines keep sleeping).
-            settle_sleep=sleep and config.vllm.enable_sleep is None and not offload,
-            others=[g for name, g in groups.items() if name not in ("actor", "critic")],
-            why=why,
-        )
-    return Roles(
-        engines=engines,
-        pool=EnginePool(engines, max_in_flight_per_engine=2 * config.vllm.max_num_seqs),
-        actor=groups["actor"],
-        ref=groups.get("ref"),
-        critic=groups.get("critic"),
-        reward_model=groups.get("reward_model"),
-        placement=placement,
-        turns=turns,
-        launch=launch,
-        warm_keys=keys,
-    )

@@ -271,7 +271,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
         if held is not None:  # before this process's first step
             evals.append(eval_loss())
             log.write({"step": start, "sft/eval_loss": evals[-1]})
-        progress = Progress(total=config.num_steps, start=start)
+        progress = Progress(total=config.num_steps, start=start, echo=echo)
         for step in range(start + 1, config.num_steps + 1):
             picked = order.take(config.batch_size)
             batch = collate(
@@ -297,8 +297,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
                     "data/rows_crc32": rows_crc32(picked),
                 }
             )
-            if progress.due(step):
-                echo(f"[sft] {progress.line(step, {})} | loss {out['loss']:.4f}")
+            progress.show(step, {}, prefix="[sft] ", suffix=f" | loss {out['loss']:.4f}")
             if saves_at(step, ckpt=config.ckpt, num_steps=config.num_steps):
                 save_step(group, command="sft", step=step, config=config, order=order,
                           tokenizer=tokenizer, run_dir=run_dir, echo=echo)  # fmt: skip

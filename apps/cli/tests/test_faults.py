@@ -197,8 +197,8 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets, 
         synced = ObjectStoreSender().send(
             pack_buckets(trained.items(), version=3, bucket_bytes=1 << 20)
         )
-        # rank 0's sender made `synced` (and `_send` returns it with its seconds)
-        actor = types.SimpleNamespace(run=lambda fn: [(synced, 0.0)])
+        # rank 0's sender made `synced` (and `send_weights` returns it with its seconds)
+        actor = types.SimpleNamespace(send_weights=lambda **_: (synced, 0.0))
         transport = SenderTransport("object_store", actor, roles.engines, True, 1 << 20)  # type: ignore[arg-type]
         lines: list[str] = []
         driver = types.SimpleNamespace(roles=roles, transport=transport, echo=lines.append)
@@ -244,7 +244,8 @@ def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(
 
     from rlhf.cli.revive import EngineReviver
     from rlhf.cli.roles import EngineLaunch, Roles
-    from rlhf.cli.sync import BroadcastTransport
+    from rlhf.cli.sync import GroupTransport
+    from rlhf.learner import RankSenders
     from rlhf.rollout import EngineConfig, EnginePool
 
     config = EngineConfig(model=str(assets["model"]), dtype="float32", max_model_len=64)
@@ -268,8 +269,15 @@ def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(
         rank0 = types.SimpleNamespace(
             rank=0, device=torch.device("cpu"), named_full_parameters=named_full_parameters
         )
-        actor = types.SimpleNamespace(run=lambda fn: [fn(rank0)])
-        transport = BroadcastTransport(actor, roles.engines, True, 1 << 14)  # type: ignore[arg-type]
+        # The actor's rank 0 in this process, its sender kept as a rank keeps it.
+        senders = RankSenders()
+        actor = types.SimpleNamespace(
+            close_weight_sender=lambda kind, wait=True: senders.close(kind) or [],
+            new_weight_group=lambda **kw: senders.new_group(rank0, host="127.0.0.1", **kw),
+            join_weight_group=lambda **kw: senders.join(rank0, **kw),
+            send_weights=lambda **kw: senders.send(rank0, **kw),
+        )
+        transport = GroupTransport(actor, roles.engines, True, 1 << 14)  # type: ignore[arg-type]
         # A live engine's receive must end once the actor leaves the group; one that waited
         # out the group's 300 s timeout would fail the sync here.
         transport.answer_timeout_s = 30.0

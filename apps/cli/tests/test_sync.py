@@ -20,12 +20,11 @@ def choose(requested: str = "auto", **where) -> str:
 
 
 def test_auto_follows_the_placement() -> None:
+    """The placement's facts reach `rlhf.weights.choose` (whose own tests hold every case):
+    CuPy's presence decides the broadcast on GPUs."""
     assert choose() == "shared_memory"  # one CPU machine
-    assert choose(nodes=3) == "object_store"  # several nodes, with or without GPUs
-    assert choose(gpu=True, nccl=True, nodes=2, colocated=True) == "object_store"
+    assert choose(nodes=3) == "object_store"  # several CPU nodes
     assert choose(gpu=True, colocated=True) == "cuda_ipc"  # the engine on the actor's GPU
-    # Two colocated engines: engine 1 sits on actor rank 1's GPU, which rank 0 cannot share.
-    assert choose(gpu=True, colocated=True, num_engines=2, nccl=True) == "broadcast"
     assert choose(gpu=True, nccl=True) == "broadcast"  # engines on other GPUs
     assert choose(gpu=True) == "object_store"  # ... without CuPy
     assert choose("broadcast") == "broadcast"  # gloo on CPUs
@@ -39,11 +38,12 @@ def test_bucket_size_follows_the_transport_unless_given() -> None:
 
 
 def test_impossible_requests_name_the_flag() -> None:
-    with pytest.raises(ConfigError, match="cuda_ipc needs the engine on the actor's GPU"):
+    flag = "--train.weight_transport"
+    with pytest.raises(ConfigError, match=f"^{flag} cuda_ipc needs the engine on the actor's GPU"):
         choose("cuda_ipc", gpu=True, colocated=False)
-    with pytest.raises(ConfigError, match="shared_memory needs one machine; the cluster has 2"):
+    with pytest.raises(ConfigError, match=f"^{flag} shared_memory needs one machine; the cluster "):
         choose("shared_memory", nodes=2)
-    with pytest.raises(ConfigError, match="broadcast on GPUs needs CuPy"):
+    with pytest.raises(ConfigError, match=f"^{flag} broadcast on GPUs needs CuPy"):
         choose("broadcast", gpu=True)
     with pytest.raises(ConfigError, match="--train.weight_transport must be one of"):
         choose("nccl")

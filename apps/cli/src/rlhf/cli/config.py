@@ -14,6 +14,7 @@ from rlhf.cli.nodes import NodeSpec
 from rlhf.learner import DeepSpeedConfig, LearnerConfig, ModelConfig, OptimizerConfig
 from rlhf.molt import FSDPConfig
 from rlhf.rollout import EngineOptions
+from rlhf.weights import TRANSPORTS
 
 
 class ConfigError(ValueError):
@@ -61,8 +62,8 @@ VERIFY_SYNC = {"off": "off", "cheap": "cheap", "full": "full", "True": "full", "
 TURN_CREDIT = ("episode", "per_turn")
 """``--train.turn_credit`` values."""
 
-WEIGHT_TRANSPORTS = ("auto", "object_store", "shared_memory", "cuda_ipc", "broadcast")
-"""``--train.weight_transport`` values (`rlhf.cli.sync`)."""
+WEIGHT_TRANSPORTS = ("auto", *TRANSPORTS)
+"""``--train.weight_transport`` values: ``auto`` and every transport `rlhf.weights` registers."""
 
 
 @dataclass(frozen=True)
@@ -324,13 +325,13 @@ class TrainConfig:
         weight_transport: How the actor's weights reach the engines (`rlhf.weights`):
             ``auto`` (CUDA IPC when the one engine shares the actor's GPU, an NCCL broadcast
             to engines on other GPUs, shared memory on one CPU machine, the object store
-            across nodes), or ``object_store``, ``shared_memory``, ``cuda_ipc``, ``broadcast``
-            (gloo on CPUs, NCCL on GPUs).
-        weight_bucket_mib: Bucket size of the weight stream, in MiB; 0 (default): by the
-            transport (`rlhf.cli.sync.BUCKET_MIB`: 512 for CUDA IPC, whose buckets all stay
-            alive until the engines loaded them, so the size sets only how many buckets,
-            handles and digest passes a sync has; 64 for the others, whose streaming sender
-            holds one bucket beside the model).
+            across CPU nodes), or a transport `rlhf.weights` registers: ``object_store``,
+            ``shared_memory``, ``cuda_ipc``, ``broadcast`` (gloo on CPUs, NCCL on GPUs).
+        weight_bucket_mib: Bucket size of the weight stream, in MiB; 0 (default): the
+            transport's (`rlhf.weights.TransportSpec.bucket_mib`: 512 for CUDA IPC, whose
+            buckets all stay alive until the engines loaded them, so the size sets only how
+            many buckets, handles and digest passes a sync has; 64 for the others, whose
+            streaming sender holds one bucket beside the model).
         seed: Seed of prompt order, sampling and initialisation.
     """
 

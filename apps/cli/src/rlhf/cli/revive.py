@@ -16,7 +16,7 @@ restarted between syncs loads the actor's weights alone through the object store
 (`rlhf.cli.sync.load_alone`; a broadcast group is formed anew, with it, before the next sync).
 A broadcast sync finds dead engines itself, before it sends or when its send fails; it ends
 the live engines' receive, restarts the dead ones, forms the group anew and sends again
-(`rlhf.cli.sync.BroadcastTransport`). The actor's weights are the other
+(`rlhf.cli.sync.GroupTransport`). The actor's weights are the other
 engines' only while the learners do not train ahead of them, so there, under
 ``--train.async_enable``, the death still stops the run with the command that resumes it
 (`rlhf.cli.faults`); so does it under ``--train.colocate_all`` on GPUs (the engines sleep and
@@ -33,7 +33,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from rlhf.cli.metrics import MetricsSink
-from rlhf.cli.sync import REJOINABLE, BroadcastTransport, SenderTransport
+from rlhf.cli.sync import GroupTransport, SenderTransport
+from rlhf.weights import transport as transport_spec
 
 if TYPE_CHECKING:
     from rlhf.cli.rl import RLDriver
@@ -45,7 +46,7 @@ def why_not_revivable(
 ) -> str | None:
     """Why a dead engine stops the run under weight transport ``kind``, or None: it is
     revived."""
-    if kind not in REJOINABLE and asynchronous:
+    if not transport_spec(kind).rejoinable and asynchronous:
         return (
             f"the {kind} weight transport cannot load a new engine the other engines' weights "
             "while the learners train ahead of them (--train.async_enable)"
@@ -82,7 +83,7 @@ class EngineReviver:
         already in its place when another caller restarted it first."""
         roles, transport = self.driver.roles, self.driver.transport
         assert roles.launch is not None
-        assert isinstance(transport, (SenderTransport, BroadcastTransport))
+        assert isinstance(transport, (SenderTransport, GroupTransport))
         with self._lock:
             if roles.engines[index] is not dead:
                 return roles.engines[index]
@@ -134,7 +135,7 @@ def enable_revival(
         return
     reviver = EngineReviver(driver)
     driver.roles.pool.revive = reviver
-    assert isinstance(driver.transport, (SenderTransport, BroadcastTransport))
+    assert isinstance(driver.transport, (SenderTransport, GroupTransport))
     driver.transport.on_engine_died = reviver.restart
     driver.log = RestartsInSteps(driver.log, reviver)
     echo("[plan] faults: a dead vLLM engine is restarted and re-synced")

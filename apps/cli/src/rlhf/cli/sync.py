@@ -7,17 +7,17 @@ they fill into the transport's sender; no rank holds a full state dict. Each eng
 the sync in its actor, validates it whole (bucket and tensor checksums), loads it and reads
 back what ``--vllm.verify_sync`` asks for.
 
-``auto`` chooses (`choose_transport`): CUDA IPC when the one engine shares the actor's GPU
-(``--train.colocate_all``), an NCCL broadcast when engines sit on other GPUs (CuPy needed;
-without it, the object store), shared memory on one CPU machine, and Ray's object store when
-the cluster spans several nodes. A sender that must outlive a sync (the shared-memory segment,
-the broadcast group's membership, the CUDA IPC buffers until the engines loaded) is kept in
-the actor's rank-0 process, in this module's ``_SENDERS``.
+The transports and their facts are `rlhf.weights`' registry; ``auto`` takes the one that
+serves the placement best (`choose_transport`, `rlhf.weights.choose`): CUDA IPC when the one
+engine shares the actor's GPU (``--train.colocate_all``), an NCCL broadcast when engines sit
+on other GPUs (CuPy needed; without it, the object store), shared memory on one CPU machine,
+and Ray's object store when the cluster spans several CPU nodes. The actor's rank 0 keeps its
+sender (`rlhf.learner.RankSenders`); this module drives the syncs and handles engines that
+die during one.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,26 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlhf.cli.config import WEIGHT_TRANSPORTS, ConfigError
-from rlhf.learner import LearnerGroup, send_weights
+from rlhf.learner import LearnerGroup
 from rlhf.rollout import RayEngine
-
-# Senders alive in a learner rank's process (filled by functions that run there).
-_SENDERS: dict[str, Any] = {}
-
-BUCKET_MIB = {"cuda_ipc": 512}
-"""Bucket size (MiB) per transport under ``--train.weight_bucket_mib 0``; others get
-`DEFAULT_BUCKET_MIB`. A CUDA IPC sync keeps every bucket alive until the engines loaded, so
-its bucket size sets only the number of buckets (each a digest pass, an IPC handle to open
-and a spot-checked tensor): on an H100, a 0.5B model packed and shared in 9.0 ms in 512 MiB
-buckets against 12.2 ms in 64 MiB ones, and validated in 2.4 against 3.3 ms. A streaming
-sender of the others holds one bucket beside the model."""
-DEFAULT_BUCKET_MIB = 64
+from rlhf.weights import Placement, choose, transport
 
 
 def bucket_mib(requested: int, kind: str) -> int:
-    """``--train.weight_bucket_mib`` for transport ``kind``: as requested, or by the
-    transport (`BUCKET_MIB`) when 0."""
-    return requested or BUCKET_MIB.get(kind, DEFAULT_BUCKET_MIB)
+    """``--train.weight_bucket_mib`` for transport ``kind``: as requested, or the
+    transport's own (`rlhf.weights.TransportSpec.bucket_mib`) when 0."""
+    return requested or transport(kind).bucket_mib
 
 
 def choose_transport(
@@ -64,39 +53,19 @@ def choose_transport(
         colocated: The engines share the learners' GPUs (``--train.colocate_all``).
         num_engines: ``--vllm.num_engines``.
         nodes: Alive nodes of the Ray cluster.
-        nccl: CuPy's NCCL bindings are importable here.
+        nccl: CuPy's NCCL bindings are importable on the cluster.
 
     Raises:
         ConfigError: a requested transport that cannot reach the engines, naming the flag.
     """
     if requested not in WEIGHT_TRANSPORTS:
         raise ConfigError(f"--train.weight_transport must be one of {WEIGHT_TRANSPORTS}")
-    if requested == "auto":
-        if nodes > 1:
-            return "object_store", f"auto: the cluster has {nodes} nodes"
-        if gpu and colocated and num_engines == 1:
-            return "cuda_ipc", "auto: the engine shares the actor's GPU"
-        if gpu and nccl:
-            return "broadcast", "auto: engines on other GPUs (NCCL)"
-        if gpu:
-            return "object_store", "auto: engines on other GPUs, CuPy (NCCL) not installed"
-        return "shared_memory", "auto: one machine without GPUs"
-    if requested == "cuda_ipc" and not (gpu and colocated and num_engines == 1):
-        raise ConfigError(
-            "--train.weight_transport cuda_ipc needs the engine on the actor's GPU: GPUs, "
-            "--train.colocate_all True and --vllm.num_engines 1"
-        )
-    if requested == "shared_memory" and nodes > 1:
-        raise ConfigError(
-            f"--train.weight_transport shared_memory needs one machine; the cluster has "
-            f"{nodes} nodes: use object_store or broadcast"
-        )
-    if requested == "broadcast" and gpu and not nccl:
-        raise ConfigError(
-            "--train.weight_transport broadcast on GPUs needs CuPy with NCCL "
-            "(pip install cupy-cuda12x, or cupy-cuda13x)"
-        )
-    return requested, "requested"
+    where = Placement(gpu=gpu, colocated=colocated, num_engines=num_engines, nodes=nodes)
+    try:
+        spec, why = choose(requested, where, installed=lambda module: module != "cupy" or nccl)
+    except ValueError as exc:
+        raise ConfigError(f"--train.weight_transport {exc}") from None
+    return spec.name, why
 
 
 class Transport(Protocol):
@@ -113,53 +82,18 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-def _send(backend: Any, *, kind: str, version: int, bucket_bytes: int) -> Any:
-    """In each actor rank: stream the weights into rank 0's ``kind`` sender (made on first
-    use; a broadcast group's member is made when the group forms). Returns ``(what the
-    sender returns, seconds this rank spent)``: packing and sending, without Ray's call."""
-    from rlhf.weights import CudaIpcSender, ObjectStoreSender, SharedMemorySender
-
-    tick = time.perf_counter()
-    makers = {
-        "object_store": ObjectStoreSender,
-        "shared_memory": SharedMemorySender,
-        "cuda_ipc": CudaIpcSender,
-    }
-    if backend.rank == 0 and kind not in _SENDERS:
-        _SENDERS[kind] = makers[kind]()
-    device = backend.device if kind in ("cuda_ipc", "broadcast") else None
-    synced = send_weights(
-        backend, _SENDERS.get(kind), version=version, bucket_bytes=bucket_bytes, device=device
-    )
-    return synced, time.perf_counter() - tick
-
-
-def _close(backend: Any, *, kind: str) -> None:
-    sender = _SENDERS.pop(kind, None)
-    if sender is not None:
-        sender.close()
-
-
-REJOINABLE = ("object_store", "shared_memory")
-"""Transports whose last sync stays readable until the next one, so that an engine started
-in place of a dead one loads the very sync the others loaded (`SenderTransport.replace`).
-The others (CUDA IPC releases its buffers once every engine loaded; a broadcast group is
-formed once) load such an engine the actor's weights anew (`load_alone`), which are the
-engines' weights only while the learners do not train ahead of them (not under
-``--train.async_enable``)."""
-
-
 def load_alone(
     engine: RayEngine, *, actor: LearnerGroup, version: int, verify: bool | str, bucket_bytes: int
 ) -> int:
     """The actor's weights, stamped ``version``, into ``engine`` alone through the object
     store (whatever the run's transport); the sender is closed after. Returns the version."""
-    send = functools.partial(_send, kind="object_store", version=version, bucket_bytes=bucket_bytes)
     try:
-        synced, _ = actor.run(send)[0]
+        synced, _ = actor.send_weights(
+            kind="object_store", version=version, bucket_bytes=bucket_bytes
+        )
         return engine.update_weights_from(synced, verify=verify)
     finally:
-        actor.run(functools.partial(_close, kind="object_store"))
+        actor.close_weight_sender("object_store")
 
 
 @dataclass
@@ -188,15 +122,14 @@ class SenderTransport:
     def sync(self, version: int) -> None:
         from ray.exceptions import RayActorError
 
-        send = functools.partial(
-            _send, kind=self.kind, version=version, bucket_bytes=self.bucket_bytes
-        )
         dead: list[tuple[int, RayEngine]] = []
         with self._lock:  # not while an engine that replaces a dead one loads the last sync
             self._released()
             tick = time.perf_counter()
             self.last = None
-            synced, pack = self.actor.run(send)[0]
+            synced, pack = self.actor.send_weights(
+                kind=self.kind, version=version, bucket_bytes=self.bucket_bytes
+            )
             sent = time.perf_counter()
             for i, engine in enumerate(self.engines):
                 try:
@@ -207,10 +140,10 @@ class SenderTransport:
                     dead.append((i, engine))
             loaded = time.perf_counter()
             self.version = version
-            if self.kind == "cuda_ipc":  # every engine loaded: the shared buffers may go
-                self._releasing = self.actor.start_run(functools.partial(_close, kind=self.kind))
-            else:
+            if transport(self.kind).rejoinable:
                 self.last = synced
+            else:  # every engine loaded: what the sync kept alive (CUDA IPC buffers) may go
+                self._releasing = self.actor.close_weight_sender(self.kind, wait=False)
         self.parts = {
             "actor_send": sent - tick,
             "actor_pack": pack,
@@ -232,14 +165,14 @@ class SenderTransport:
 
     def replace(self, index: int, engine: RayEngine) -> int:
         """Put ``engine`` in place of engine ``index`` (one that died) and load into it the
-        weights the other engines hold: the last sync again (`REJOINABLE`), else the
+        weights the other engines hold: the last sync again (a rejoinable transport), else the
         actor's weights anew (`load_alone`); returns its weight version (that of the
         checkpoint, when no sync happened yet)."""
         with self._lock:
             self.engines[index] = engine
             if self.version is None:
                 return engine.weight_version
-            if self.kind in REJOINABLE:
+            if transport(self.kind).rejoinable:
                 return engine.update_weights_from(self.last, verify=self.verify)
             return load_alone(
                 engine, actor=self.actor, version=self.version, verify=self.verify,
@@ -248,36 +181,14 @@ class SenderTransport:
 
     def close(self) -> None:
         self._released()
-        self.actor.run(functools.partial(_close, kind=self.kind))
-
-
-def _new_group(backend: Any, *, world_size: int) -> Any:
-    """Rank 0: a broadcast group spec on its node (gloo without GPUs, else NCCL)."""
-    if backend.rank != 0:
-        return None
-    import ray
-
-    from rlhf.weights import new_broadcast_group
-
-    gloo = backend.device.type != "cuda"
-    return new_broadcast_group(
-        backend="gloo" if gloo else "nccl",
-        world_size=world_size,
-        host=ray.util.get_node_ip_address() if gloo else "127.0.0.1",
-    )
-
-
-def _join(backend: Any, *, spec: Any) -> None:
-    if backend.rank == 0:
-        from rlhf.weights import BroadcastGroup
-
-        _SENDERS["broadcast"] = BroadcastGroup(spec, rank=0, device=backend.device)
+        self.actor.close_weight_sender(self.kind)
 
 
 @dataclass
-class BroadcastTransport:
-    """The actor's rank 0 and every engine form one broadcast group (rank 0 sends, engine
-    ``i`` is rank ``i + 1``); each sync streams through it.
+class GroupTransport:
+    """The actor's rank 0 and every engine form one group of a group transport (``kind``,
+    the broadcast: rank 0 sends, engine ``i`` is rank ``i + 1``); each sync streams through
+    it.
 
     A dead engine is found by the sync itself, before it sends (each engine answers a cheap
     call) or while it sends (rank 0's send fails). Rank 0 then leaves the group, which ends
@@ -293,6 +204,7 @@ class BroadcastTransport:
     engines: list[RayEngine]
     verify: bool | str
     bucket_bytes: int
+    kind: str = "broadcast"
     parts: dict[str, float] = field(default_factory=dict)
     version: int | None = None
     """The version of the last sync (None before the first)."""
@@ -313,11 +225,12 @@ class BroadcastTransport:
     def _form_group(self) -> None:
         import ray
 
-        self.actor.run(functools.partial(_close, kind="broadcast"))  # a former group's sender
-        new = functools.partial(_new_group, world_size=1 + len(self.engines))
-        spec = self.actor.run(new)[0]
-        joins = [e.join_weight_group(spec, rank) for rank, e in enumerate(self.engines, 1)]
-        self.actor.run(functools.partial(_join, spec=spec))
+        self.actor.close_weight_sender(self.kind)  # a former group's member
+        group = self.actor.new_weight_group(kind=self.kind, world_size=1 + len(self.engines))
+        joins = [
+            e.join_weight_group(group, rank, self.kind) for rank, e in enumerate(self.engines, 1)
+        ]
+        self.actor.join_weight_group(kind=self.kind, group=group)
         ray.get(joins)
 
     def _dead(self, refs: Sequence[Any], *, must_end: bool) -> list[int]:
@@ -373,12 +286,11 @@ class BroadcastTransport:
             self._form_group()
             self._regroup = False
         loads = [e.update_weights_from_group(verify=self.verify) for e in self.engines]
-        send = functools.partial(
-            _send, kind="broadcast", version=version, bucket_bytes=self.bucket_bytes
-        )
         tick = time.perf_counter()
         try:
-            _, pack = self.actor.run(send)[0]  # the engines receive while it sends
+            _, pack = self.actor.send_weights(  # the engines receive while it sends
+                kind=self.kind, version=version, bucket_bytes=self.bucket_bytes
+            )
             sent = time.perf_counter()
             ray.get(loads)
             self.parts = {
@@ -387,7 +299,7 @@ class BroadcastTransport:
                 "engine_calls": time.perf_counter() - sent,
             }
         except Exception as exc:
-            self.actor.run(functools.partial(_close, kind="broadcast"))  # ends the receives
+            self.actor.close_weight_sender(self.kind)  # ends the receives
             self._regroup = True
             dead = self._dead(loads, must_end=True)
             if not dead:
@@ -433,7 +345,7 @@ class BroadcastTransport:
             )  # fmt: skip
 
     def close(self) -> None:
-        self.actor.run(functools.partial(_close, kind="broadcast"))
+        self.actor.close_weight_sender(self.kind)
 
 
 class _MemberDiedError(Exception):
@@ -486,6 +398,6 @@ def open_transport(
     """The `Transport` of ``kind`` (a `choose_transport` result) between the actor and the
     engines, set up (a broadcast group is formed here). ``engines`` is kept, not copied: an
     engine replaced in it (`SenderTransport.replace`) is replaced for its owner too."""
-    if kind == "broadcast":
-        return BroadcastTransport(actor, engines, verify, bucket_bytes)
+    if transport(kind).grouped:
+        return GroupTransport(actor, engines, verify, bucket_bytes, kind=kind)
     return SenderTransport(kind, actor, engines, verify, bucket_bytes)

@@ -70,7 +70,7 @@ from rlhf.learner.phases import (
     token_values_of,
 )
 from rlhf.learner.role import InProcessRole, MicroBatching, Role
-from rlhf.learner.weights import send_weights, stream_weights
+from rlhf.learner.weights import RankSenders, send_weights, stream_weights
 
 if TYPE_CHECKING:
     from rlhf.learner.deepspeed_backend import DeepSpeedBackend
@@ -113,6 +113,7 @@ __all__ = [
     "OptimizerConfig",
     "PPOActorObjective",
     "Packed",
+    "RankSenders",
     "RewardModelObjective",
     "Role",
     "SFTObjective",

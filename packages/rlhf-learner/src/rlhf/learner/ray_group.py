@@ -33,6 +33,7 @@ from rlhf.learner.role import (
     rank_work,
     row_results,
 )
+from rlhf.learner.weights import RankSenders
 from rlhf.weights.ports import free_port
 
 
@@ -66,6 +67,7 @@ class RankWorker:
         )
         self.rank = rank
         self.backend: Any = None
+        self.senders = RankSenders()  # this rank's weight-sync ends, by transport
         # `kill -USR1 <pid>` (the pids are in a run's placement.json) writes every thread's
         # stack to this actor's Ray log: where a rank waits, e.g. in a collective a peer left.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -133,6 +135,23 @@ class RankWorker:
 
     def reload_states(self) -> dict[str, float]:
         return self.backend.reload_states()
+
+    def send_weights(self, kind: str, version: int, bucket_bytes: int) -> tuple[Any, float]:
+        return self.senders.send(
+            self.backend, kind=kind, version=version, bucket_bytes=bucket_bytes
+        )
+
+    def close_weight_sender(self, kind: str) -> None:
+        self.senders.close(kind)
+
+    def new_weight_group(self, kind: str, world_size: int) -> Any:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return self.senders.new_group(self.backend, kind=kind, world_size=world_size, host=host)
+
+    def join_weight_group(self, kind: str, group: Any) -> None:
+        self.senders.join(self.backend, kind=kind, group=group)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(backend, *args)`` in this rank's process."""
@@ -369,6 +388,33 @@ class LearnerGroup:
     def reload_states(self) -> list[dict[str, float]]:
         """Undo `offload_states` on every rank."""
         return self._all("reload_states")
+
+    def send_weights(self, *, kind: str, version: int, bucket_bytes: int) -> tuple[Any, float]:
+        """The role's weights, stamped ``version``, streamed into rank 0's sender of the
+        `rlhf.weights` transport ``kind`` (made on first use; a group transport's when its
+        group formed) in buckets of at most ``bucket_bytes``; every rank takes part in the
+        gathers. Returns rank 0's ``(sync for the engines, seconds it packed and sent)``."""
+        return self._all("send_weights", kind, version, bucket_bytes)[0]
+
+    def close_weight_sender(self, kind: str, *, wait: bool = True) -> list[Any]:
+        """Release rank 0's ``kind`` sender (what its last sync kept alive; a group's
+        membership). ``wait=False``: started only, one object ref per rank (a rank runs its
+        calls in order, so the next call comes after it)."""
+        refs = [w.close_weight_sender.remote(kind) for w in self.workers]
+        if wait:
+            gather_ranks(refs)
+            return []
+        return refs
+
+    def new_weight_group(self, *, kind: str, world_size: int) -> Any:
+        """The spec of a new group of the group transport ``kind`` with rank 0 as member 0
+        (``world_size``: 1 + the engines), for the engines to join with `join_weight_group`
+        beside rank 0's."""
+        return self._all("new_weight_group", kind, world_size)[0]
+
+    def join_weight_group(self, *, kind: str, group: Any) -> None:
+        """Rank 0 joins ``group`` as its sender; returns once every member joined."""
+        self._all("join_weight_group", kind, group)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(backend, *args)`` on every rank."""

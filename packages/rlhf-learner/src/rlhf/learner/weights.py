@@ -8,13 +8,14 @@ there is at most one gathered parameter and one bucket.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from rlhf.learner.backend import Backend
-from rlhf.weights import WeightBucket, iter_buckets
+from rlhf.weights import Sender, WeightBucket, iter_buckets, transport
 
 
 def stream_weights(
@@ -39,13 +40,6 @@ def stream_weights(
     )
 
 
-class Sender(Protocol):
-    """An `rlhf.weights` transport's sender (``ObjectStoreSender``, ``SharedMemorySender``,
-    ``CudaIpcSender``, a rank-0 ``BroadcastGroup``)."""
-
-    def send(self, buckets: Any) -> Any: ...
-
-
 def send_weights(
     backend: Backend,
     sender: Sender | None,
@@ -64,3 +58,55 @@ def send_weights(
     if sender is None:
         raise ValueError("send_weights needs a sender on rank 0")
     return sender.send(buckets)
+
+
+class RankSenders:
+    """One rank's ends of the `rlhf.weights` transports, by transport name: rank 0 makes its
+    sender from the registry on first use (a group transport's when its group forms) and keeps
+    it while it must outlive a sync (a shared-memory segment, CUDA IPC buffers until the
+    engines loaded, a group's membership); the other ranks only take part in the gathers."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, Sender] = {}
+
+    def send(
+        self, backend: Backend, *, kind: str, version: int, bucket_bytes: int
+    ) -> tuple[Any, float]:
+        """Every rank: stream the weights into rank 0's ``kind`` sender. Returns ``(what the
+        sender returns, seconds this rank spent)``: packing and sending, without the call
+        that brought it here."""
+        tick = time.perf_counter()
+        spec = transport(kind)
+        if backend.rank == 0 and kind not in self.open:
+            if spec.sender is None:
+                raise RuntimeError(f"the {kind} group must form (new_group, join) before a send")
+            self.open[kind] = spec.sender()
+        device = backend.device if spec.on_device else None
+        synced = send_weights(
+            backend, self.open.get(kind), version=version, bucket_bytes=bucket_bytes, device=device
+        )
+        return synced, time.perf_counter() - tick
+
+    def close(self, kind: str) -> None:
+        """Release ``kind``'s sender (leave its group)."""
+        sender = self.open.pop(kind, None)
+        if sender is not None:
+            sender.close()
+
+    def new_group(self, backend: Backend, *, kind: str, world_size: int, host: str) -> Any:
+        """Rank 0: the spec of a new ``kind`` group of ``world_size`` members on this rank's
+        device (``host``: this node's address); other ranks: None."""
+        spec = transport(kind)
+        if backend.rank != 0:
+            return None
+        assert spec.new_group is not None, f"{kind} is not a group transport"
+        return spec.new_group(world_size=world_size, device=backend.device, host=host)
+
+    def join(self, backend: Backend, *, kind: str, group: Any) -> None:
+        """Rank 0: join ``group`` as its sender (member 0), leaving a former one first."""
+        if backend.rank != 0:
+            return
+        spec = transport(kind)
+        assert spec.join is not None, f"{kind} is not a group transport"
+        self.close(kind)
+        self.open[kind] = spec.join(group, rank=0, device=backend.device)

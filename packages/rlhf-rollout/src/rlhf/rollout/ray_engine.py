@@ -30,20 +30,11 @@ from rlhf.rollout.config import EngineConfig
 from rlhf.rollout.engine import VLLMEngine
 from rlhf.rollout.errors import EngineError
 from rlhf.rollout.readback import LiveDigest
-from rlhf.weights import (
-    BroadcastGroup,
-    BroadcastGroupSpec,
-    CudaIpcReceiver,
-    CudaIpcSync,
-    ObjectStoreReceiver,
-    ObjectStoreSync,
-    SharedMemoryReceiver,
-    SharedMemorySync,
-    WeightBucket,
-)
+from rlhf.weights import GroupMember, WeightBucket, receivers, transport
 
-TransportSync = ObjectStoreSync | SharedMemorySync | CudaIpcSync
-"""A sync that a transport's sender made for the engines to receive."""
+TransportSync = object
+"""A sync that a sync-object transport's sender made for the engines to receive (its type
+picks the receiver: `rlhf.weights.receivers`)."""
 
 
 class EngineDiedError(EngineError):
@@ -71,14 +62,10 @@ class EngineActor:
         self._fresh_state()
 
     def _fresh_state(self) -> None:
-        # One receiver per transport, by the type of sync it reads (kept: the shared-memory
-        # receiver keeps the sender's segment mapped between syncs).
-        self.receivers: dict[type, tuple[str, Any]] = {
-            ObjectStoreSync: ("object_store", ObjectStoreReceiver()),
-            SharedMemorySync: ("shared_memory", SharedMemoryReceiver()),
-            CudaIpcSync: ("cuda_ipc", CudaIpcReceiver()),
-        }
-        self.group: BroadcastGroup | None = None
+        # One receiver per registered transport, by the type of sync it reads (kept: the
+        # shared-memory receiver keeps the sender's segment mapped between syncs).
+        self.receivers = receivers()
+        self.group: tuple[str, GroupMember] | None = None  # a group transport's membership
         self.loads: dict[str, int] = {}  # syncs loaded, by the path they arrived on
         self.receive_s: float | None = None  # the last sync's transport receive
         self.streamed = StreamedRequests()
@@ -86,8 +73,11 @@ class EngineActor:
     def _close_transports(self) -> None:
         for _, receiver in self.receivers.values():
             receiver.close()
+        self._close_group()
+
+    def _close_group(self) -> None:
         if self.group is not None:
-            self.group.close()
+            self.group[1].close()
             self.group = None
 
     def _loaded(self, path: str, version: int) -> int:
@@ -157,28 +147,31 @@ class EngineActor:
 
         return self._loaded(path, await self._blocking(load))
 
-    async def join_weight_group(self, spec: BroadcastGroupSpec, rank: int) -> None:
+    async def join_weight_group(self, group: Any, rank: int, kind: str = "broadcast") -> None:
+        join_group = transport(kind).join
+        if join_group is None:
+            raise TypeError(f"{kind} is not a group transport")
+
         def join() -> None:
-            if self.group is not None:
-                self.group.close()
-            self.group = BroadcastGroup(spec, rank=rank)
+            self._close_group()
+            self.group = (kind, join_group(group, rank=rank))
 
         await self._blocking(join)
 
     async def update_weights_from_group(
         self, *, require_all: bool = True, verify: bool | str = False
     ) -> int:
-        group = self.group
-        if group is None:
+        if self.group is None:
             raise RuntimeError("join_weight_group() before update_weights_from_group()")
+        kind, member = self.group
 
         def load() -> int:
             tick = time.perf_counter()
-            buckets = group.receive()
+            buckets = member.receive()
             self.receive_s = time.perf_counter() - tick
             return self.engine.update_weights(buckets, require_all=require_all, verify=verify)
 
-        return self._loaded("broadcast", await self._blocking(load))
+        return self._loaded(kind, await self._blocking(load))
 
     def weight_loads(self) -> dict[str, int]:
         return dict(self.loads)
@@ -338,10 +331,11 @@ class RayEngine:
             self.handle.update_weights_from.remote(sync, require_all=require_all, verify=verify)
         )
 
-    def join_weight_group(self, spec: BroadcastGroupSpec, rank: int) -> Any:
-        """Start joining a broadcast group as ``rank`` (>= 1); returns the call's object ref at
-        once: the sender joins as rank 0 meanwhile, then ``ray.get`` the refs."""
-        return self.handle.join_weight_group.remote(spec, rank)
+    def join_weight_group(self, group: Any, rank: int, kind: str = "broadcast") -> Any:
+        """Start joining ``group`` (the spec of a new group of the group transport ``kind``)
+        as ``rank`` (>= 1); returns the call's object ref at once: the sender joins as rank 0
+        meanwhile, then ``ray.get`` the refs."""
+        return self.handle.join_weight_group.remote(group, rank, kind)
 
     def update_weights_from_group(
         self, *, require_all: bool = True, verify: bool | str = False

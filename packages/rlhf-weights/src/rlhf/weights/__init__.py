@@ -2,8 +2,9 @@
 
 The wire format (`WeightBucket`: a `BucketHeader` of tensor metadata and checksums beside one
 flat byte buffer), packing (`iter_buckets`, streaming) and viewing (`iter_tensors`), whole-sync
-validation (`validate_sync`), and one sender/receiver pair per transport in
-`rlhf.weights.transports` (object store, shared memory, CUDA IPC, gloo/NCCL broadcast). Torch
+validation (`validate_sync`), and the transports (`rlhf.weights.transports`: object store, shared
+memory, CUDA IPC, gloo/NCCL broadcast), each registered with its facts (`TransportSpec` in
+`TRANSPORTS`; `choose` picks one for a `Placement`, `Sender`/`Receiver` are its ends). Torch
 only; Ray and CuPy are imported by the transports that need them. It imports no other rlhf
 package: the learner sends and the rollout receives through it.
 """
@@ -27,6 +28,18 @@ from rlhf.weights.format import (
     as_uint8,
 )
 from rlhf.weights.packing import count_buckets, iter_buckets, iter_tensors, pack_buckets
+from rlhf.weights.registry import (
+    TRANSPORTS,
+    GroupMember,
+    Placement,
+    Receiver,
+    Sender,
+    TransportSpec,
+    choose,
+    receivers,
+    register,
+    transport,
+)
 from rlhf.weights.transports.broadcast import (
     BroadcastGroup,
     BroadcastGroupSpec,
@@ -50,23 +63,30 @@ __all__ = [
     "CHECKSUMS",
     "DTYPES",
     "DTYPE_NAMES",
+    "TRANSPORTS",
     "BroadcastGroup",
     "BroadcastGroupSpec",
     "BucketHeader",
     "CudaIpcReceiver",
     "CudaIpcSender",
     "CudaIpcSync",
+    "GroupMember",
     "ObjectStoreReceiver",
     "ObjectStoreSender",
     "ObjectStoreSync",
+    "Placement",
+    "Receiver",
+    "Sender",
     "SharedMemoryReceiver",
     "SharedMemorySender",
     "SharedMemorySync",
     "TensorMeta",
+    "TransportSpec",
     "WeightBucket",
     "WeightSyncError",
     "as_uint8",
     "checksum",
+    "choose",
     "count_buckets",
     "default_algorithm",
     "digest_of",
@@ -74,7 +94,10 @@ __all__ = [
     "iter_tensors",
     "new_broadcast_group",
     "pack_buckets",
+    "receivers",
+    "register",
     "span_digests",
+    "transport",
     "validate_sync",
     "wsum64_each",
 ]

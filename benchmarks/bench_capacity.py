@@ -131,7 +131,7 @@ CHILD_TIMEOUT_S = 480
 
 def _role(case: Case, model_dir: pathlib.Path) -> Any:
     """The run's `RoleConfig` for ``case`` (what ``--actor.*`` flags would give)."""
-    from rlhf.cli.config import RoleConfig
+    from rlhf.cli.sections import RoleConfig
     from rlhf.learner import DeepSpeedConfig, ModelConfig
     from rlhf.molt import FSDPConfig
 

@@ -46,8 +46,8 @@ import torch
 
 from rlhf.agents import SamplingParams
 from rlhf.rollout import EngineConfig, EnginePool, VLLMEngine
-from rlhf.rollout.engine import _vllm_sampling
 from rlhf.rollout.readback import refresh_tied_lm_head
+from rlhf.rollout.vllm_sampling import vllm_sampling
 from rlhf.weights import pack_buckets
 
 SHAPES: dict[str, dict[str, int]] = {
@@ -167,7 +167,7 @@ def bench_throughput(
     gen = torch.Generator().manual_seed(1)
     batch = [torch.randint(3, 300, (prompt_len,), generator=gen).tolist() for _ in range(prompts)]
     sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0)
-    params = _vllm_sampling(sampling)
+    params = vllm_sampling(sampling)
     pool = EnginePool([engine], max_in_flight_per_engine=max_in_flight)
 
     async def ours() -> int:

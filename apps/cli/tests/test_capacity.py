@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rlhf.cli.config import ConfigError, RoleConfig
+from rlhf.cli.config import ConfigError
 from rlhf.cli.dry_run import learner_memory
 from rlhf.cli.model_shape import ModelShape
+from rlhf.cli.sections import RoleConfig
 
 from .conftest import rlhf
 
@@ -374,8 +375,9 @@ def test_kv_cache_estimate_is_within_15_percent_of_what_vllm_allocated_on_gpus(t
     block_size`` of a real engine (bench_capacity.py --engines) with the same options."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_learner import SCALES
-    from rlhf.cli.config import RLConfig, VllmConfig
+    from rlhf.cli.config import RLConfig
     from rlhf.cli.dry_run import engine_load
+    from rlhf.cli.sections import VllmConfig
 
     engines = json.loads(MEASURED.read_text())["engines"]
     assert engines

@@ -143,7 +143,10 @@ def test_a_run_joins_a_cluster_places_roles_by_node_and_resumes_as_a_job(
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"[plan] ray: joined the cluster at {cluster['address']}, 2 node(s)" in out.stdout
     assert "[plan] nodes: actor pool=learn, ref pool=learn, engines pool=rollout" in out.stdout
-    assert "[plan] weight sync: object_store (auto: the cluster has 2 nodes)" in out.stdout
+    assert (
+        "[plan] weight sync: object_store (auto: 2 nodes with CPUs only, 1 engine; not "
+        "shared_memory: needs one machine; the cluster has 2 nodes)" in out.stdout
+    )
     run = driver / "run"
     placement = json.loads((run / "placement.json").read_text())
     assert placement["engines"]["nodes"] == [cluster["rollout"]]

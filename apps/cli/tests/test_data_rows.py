@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rlhf.cli.config import DataConfig
 from rlhf.cli.data import DataSourceError, render
+from rlhf.cli.sections import DataConfig
 
 from .conftest import rlhf, small_run
 

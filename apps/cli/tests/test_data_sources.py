@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import pytest
 
-from rlhf.cli.config import DataConfig
 from rlhf.cli.data import (
     DataSourceError,
     Prompt,
@@ -24,6 +23,7 @@ from rlhf.cli.data import (
     prompt_sources,
     read_rows,
 )
+from rlhf.cli.sections import DataConfig
 
 # An extra column the prompt does not use, a non-ASCII prompt and an empty label survive every
 # format unchanged.

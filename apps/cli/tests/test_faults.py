@@ -182,6 +182,7 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets, 
     from rlhf.cli.revive import EngineReviver
     from rlhf.cli.roles import EngineLaunch, Roles
     from rlhf.cli.sync import SenderTransport
+    from rlhf.learner import SentWeights
     from rlhf.rollout import EngineConfig, EnginePool
     from rlhf.weights import ObjectStoreSender, pack_buckets
 
@@ -198,7 +199,7 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets, 
             pack_buckets(trained.items(), version=3, bucket_bytes=1 << 20)
         )
         # rank 0's sender made `synced` (and `send_weights` returns it with its seconds)
-        actor = types.SimpleNamespace(send_weights=lambda **_: (synced, 0.0))
+        actor = types.SimpleNamespace(send_weights=lambda **_: SentWeights(synced, 0.0))
         transport = SenderTransport("object_store", actor, roles.engines, True, 1 << 20)  # type: ignore[arg-type]
         lines: list[str] = []
         driver = types.SimpleNamespace(roles=roles, transport=transport, echo=lines.append)

@@ -33,7 +33,10 @@ def test_a_hybrid_ppo_run_takes_turns_on_one_gpu(assets, tmp_path) -> None:
     assert "colocation: bundles all: actor0+critic0+engines0+ref0" in out.stdout
     assert "engines sleep while the learners train" in out.stdout
     # The one engine shares the actor's GPU: the weights travel by CUDA IPC, never via host.
-    assert "[plan] weight sync: cuda_ipc (auto: the engine shares the actor's GPU)" in out.stdout
+    assert (
+        "[plan] weight sync: cuda_ipc (auto: 1 node with GPUs, 1 engine on the learners' GPUs)"
+        in out.stdout
+    )
     assert json.loads((tmp_path / "sync.json").read_text())["engines_loaded"] == [{"cuda_ipc": 3}]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]

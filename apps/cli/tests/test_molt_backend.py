@@ -24,7 +24,7 @@ def test_cpu_ranks_run_without_torchdynamo_unless_the_role_compiles(monkeypatch)
     DeepSpeed's optimizer check would import Inductor); a role that compiles
     (``fsdp.compile``), a GPU rank and a caller who set the variable get nothing."""
     from rlhf.cli.backends import rank_env
-    from rlhf.cli.config import RoleConfig
+    from rlhf.cli.sections import RoleConfig
     from rlhf.molt import FSDPConfig
 
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)

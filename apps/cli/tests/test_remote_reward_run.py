@@ -112,8 +112,8 @@ def test_a_reward_function_that_never_returns_stops_the_run_at_its_timeout(asset
 
 
 def test_the_reward_key_comes_from_the_flag_or_the_environment(monkeypatch) -> None:
-    from rlhf.cli.config import RewardConfig
     from rlhf.cli.sampling import reward_source
+    from rlhf.cli.sections import RewardConfig
 
     url = "http://127.0.0.1:5000/get_reward"
     monkeypatch.delenv("RLHF_REWARD_API_KEY", raising=False)

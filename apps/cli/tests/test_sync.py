@@ -51,7 +51,12 @@ def test_impossible_requests_name_the_flag() -> None:
 
 @pytest.mark.parametrize(
     ("transport", "verify"),
-    [("auto", "cheap"), ("object_store", "full"), ("broadcast", "True")],
+    [
+        ("auto", "cheap"),
+        ("object_store", "full"),
+        ("broadcast", "True"),
+        ("shared_memory_delta", "full"),
+    ],
 )
 def test_a_run_syncs_over_the_chosen_transport(assets, tmp_path, transport, verify) -> None:
     bucket = [] if transport == "auto" else ["--train.weight_bucket_mib", "1"]
@@ -78,6 +83,9 @@ def test_a_run_syncs_over_the_chosen_transport(assets, tmp_path, transport, veri
         parts = [r[f"sync/engine_{p}_s"] for p in ("receive", "validate", "load", "verify")]
         assert all(seconds > 0 for seconds in parts), r
         assert sum(parts) <= r["time/weight_sync_s"] <= r["time/sync_s"], r
+        if transport.endswith("_delta"):  # the sender's account, in the step's metrics
+            assert 0 < r["sync/bytes_sent"] <= r["sync/bytes_full"], r
+            assert 0 <= r["sync/changed_fraction"] <= 1, r
         # The actor's packing and sending (inside its call), then the engines' calls, which
         # hold the engines' parts, except a broadcast's, which the engines receive while it
         # sends.

@@ -210,8 +210,8 @@ def test_a_resume_that_cannot_continue_is_refused_before_start_up(
         typo, capsys, monkeypatch
     )
     # ... and one line under auto (this run then stops at its missing dataset).
-    from rlhf.cli.config import CkptConfig
     from rlhf.cli.data import DataSourceError
+    from rlhf.cli.sections import CkptConfig
     from rlhf.cli.sft import SFTConfig, run_sft
 
     config = SFTConfig(

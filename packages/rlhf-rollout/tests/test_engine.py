@@ -147,11 +147,11 @@ def test_requests_sharing_sampling_parameters_keep_their_own(engine) -> None:
     """vLLM's parameters are made once per distinct `SamplingParams` and shared by its
     requests: requests of different lengths and stop tokens in one batch each keep theirs,
     and the shared object is left as it was made."""
-    from rlhf.rollout.engine import _vllm_sampling
+    from rlhf.rollout.vllm_sampling import vllm_sampling
 
     short = SamplingParams(max_new_tokens=3, temperature=1.0, stop_token_ids=(7,))
     long = SamplingParams(max_new_tokens=11, temperature=1.0)
-    made = _vllm_sampling(short)
+    made = vllm_sampling(short)
     before = (made.max_tokens, list(made.stop_token_ids), made.n, made.logprobs)
 
     async def go():
@@ -164,7 +164,7 @@ def test_requests_sharing_sampling_parameters_keep_their_own(engine) -> None:
         if s is short:
             assert 7 not in g.token_ids[:-1]  # its stop token ends it
     assert any(len(g.token_ids) > 3 for g in outs[1::2])  # the long ones were not cut at 3
-    assert _vllm_sampling(short) is made
+    assert vllm_sampling(short) is made
     assert (made.max_tokens, list(made.stop_token_ids), made.n, made.logprobs) == before
 
 

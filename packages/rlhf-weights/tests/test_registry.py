@@ -69,10 +69,13 @@ def test_requests_are_held_to_the_facts() -> None:
 def test_facts_are_declared_once_per_transport() -> None:
     assert transport("cuda_ipc").bucket_mib == 512 and transport("object_store").bucket_mib == 64
     assert {n for n, s in TRANSPORTS.items() if s.rejoinable} == {"object_store", "shared_memory"}
-    assert {n for n, s in TRANSPORTS.items() if s.grouped} == {"broadcast"}
+    assert {n for n, s in TRANSPORTS.items() if s.grouped} == {"broadcast", "broadcast_delta"}
+    assert {n for n, s in TRANSPORTS.items() if s.release_after_load} == {"cuda_ipc"}
     assert {type(r).__name__ for _, r in receivers().values()} == {
-        "ObjectStoreReceiver", "SharedMemoryReceiver", "CudaIpcReceiver",
+        "ObjectStoreReceiver", "SharedMemoryReceiver", "CudaIpcReceiver", "DeltaReceiver",
     }  # fmt: skip
+    # The delta transports are never chosen by auto (opt-in until measured on GPUs).
+    assert not transport("shared_memory_delta").auto and not transport("broadcast_delta").auto
 
 
 # -- a transport from outside the package -----------------------------------------------------

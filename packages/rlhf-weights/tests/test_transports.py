@@ -243,34 +243,40 @@ class Engine:
 
 def test_every_registered_transport_on_cpus_delivers_the_same_bytes(cluster) -> None:
     """Each transport that serves CPUs, built from its registry entry alone (sender, receiver
-    by the sync's type, or a group's two ends) carries a sync whose checksums validate and
-    whose tensors equal what was sent, in another process."""
+    by the sync's type, or a group's two ends) carries two syncs (the second changes one
+    element: a delta transport sends it as a delta) whose checksums validate and whose
+    tensors equal what was sent, in another process."""
     from rlhf.weights import TRANSPORTS, Placement
 
     cpu = Placement(gpu=False, colocated=False, num_engines=1, nodes=1)
     served = [s for s in TRANSPORTS.values() if s.unusable(cpu, installed=lambda m: True) is None]
     assert {s.name for s in served} >= {"object_store", "shared_memory", "broadcast"}
     for i, spec in enumerate(served):
-        sent = weights(10 + i)
+        first = weights(10 + i)
+        second = {**first, "embed.weight": first["embed.weight"].clone()}
+        second["embed.weight"][3, 4] += 1.0
         engine = Engine.remote()
         ray.get(engine.ready.remote())
-        buckets = iter_buckets(sent.items(), version=i, bucket_bytes=1024)
         if spec.grouped:
             assert spec.new_group is not None and spec.join is not None
             group = spec.new_group(world_size=2, device="cpu", host="127.0.0.1")
             joined = engine.join.remote(spec.name, group)
             sender = spec.join(group, rank=0)
             ray.get(joined)
-            got = engine.receive_group.remote()
-            sender.send(buckets)
-            assert_same(ray.get(got), sent)
         else:
             assert spec.sender is not None
             sender = spec.sender()
-            sync = sender.send(buckets)
-            assert type(sync) is spec.sync_type
-            name, got = ray.get(engine.receive.remote(sync))
-            assert name == spec.name
-            assert_same(got, sent)
+        for version, sent in enumerate((first, second), 1):
+            buckets = iter_buckets(sent.items(), version=version, bucket_bytes=1024)
+            if spec.grouped:
+                got = engine.receive_group.remote()
+                sender.send(buckets)
+                assert_same(ray.get(got), sent)
+            else:
+                sync = sender.send(buckets)
+                assert type(sync) is spec.sync_type
+                name, got = ray.get(engine.receive.remote(sync))
+                assert name == spec.name, spec.name
+                assert_same(got, sent)
         sender.close()
         ray.kill(engine)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlhf.cli.config import RoleConfig
+    from rlhf.cli.sections import RoleConfig
 
 
 def _deepspeed(role: RoleConfig) -> Any:

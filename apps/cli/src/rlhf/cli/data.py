@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.cli.config import DataConfig
+from rlhf.cli.sections import DataConfig
 
 # What `pip install` adds for .parquet files and saved HF datasets.
 _EXTRA = "rlhf-cli[data]"

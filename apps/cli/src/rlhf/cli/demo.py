@@ -28,17 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf.cli.backends import BACKENDS
-from rlhf.cli.config import (
-    ConfigError,
+from rlhf.cli.config import ConfigError, RLConfig
+from rlhf.cli.presets import resolve
+from rlhf.cli.sections import (
     DataConfig,
     EvalConfig,
-    RLConfig,
     RoleConfig,
     RolloutConfig,
     TrainConfig,
     VllmConfig,
 )
-from rlhf.cli.presets import resolve
 
 DIGITS = 4
 CHARS = list("0123456789:")

@@ -25,8 +25,9 @@ from rlhf.cli.capacity import (
     deepspeed_memory,
     molt_memory,
 )
-from rlhf.cli.config import PlanConfig, RLConfig, RoleConfig
+from rlhf.cli.config import RLConfig
 from rlhf.cli.model_shape import DTYPE_BYTES, ModelShape
+from rlhf.cli.sections import PlanConfig, RoleConfig
 
 _LORA_SHAPES: dict[str, Callable[[ModelShape], tuple[int, int]]] = {
     "q_proj": lambda s: (s.hidden, s.heads * s.head_dim),

@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from rlhf.cli.config import ConfigError, TrainConfig
+from rlhf.cli.config import ConfigError
 from rlhf.cli.console import bar as progress_bar
 from rlhf.cli.console import live_console
+from rlhf.cli.sections import TrainConfig
 
 
 class MetricsSink(Protocol):

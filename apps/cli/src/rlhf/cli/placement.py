@@ -18,8 +18,9 @@ import json
 import pathlib
 from typing import Any
 
-from rlhf.cli.config import ConfigError, RLConfig, RoleConfig
+from rlhf.cli.config import ConfigError, RLConfig
 from rlhf.cli.nodes import NodeSpec, unmatched
+from rlhf.cli.sections import RoleConfig
 
 
 @dataclasses.dataclass(frozen=True)

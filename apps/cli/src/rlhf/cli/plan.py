@@ -3,8 +3,9 @@ each role runs."""
 
 from __future__ import annotations
 
-from rlhf.cli.config import RLConfig, RoleConfig, TrainConfig
+from rlhf.cli.config import RLConfig
 from rlhf.cli.placement import describe, describe_nodes, plan_bundles
+from rlhf.cli.sections import RoleConfig, TrainConfig
 
 
 def plan(config: RLConfig) -> list[str]:

@@ -26,16 +26,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlhf.cli.backends import backend_factory, compute_threads, rank_env, role_problems
-from rlhf.cli.config import (
-    CkptConfig,
-    ConfigError,
-    PlanConfig,
-    RayConfig,
-    RoleConfig,
-    absolute_path,
-)
+from rlhf.cli.config import ConfigError, absolute_path
 from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import Progress
+from rlhf.cli.sections import CkptConfig, PlanConfig, RayConfig, RoleConfig
 from rlhf.cli.trainer_state import (
     SHAPE,
     RowOrder,

@@ -15,7 +15,8 @@ import pathlib
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from rlhf.cli.config import CkptConfig, ConfigError, RLConfig
+from rlhf.cli.config import ConfigError, RLConfig
+from rlhf.cli.sections import CkptConfig
 from rlhf.learner import CheckpointError, latest_checkpoint, latest_intact_checkpoint
 
 SHAPE = (

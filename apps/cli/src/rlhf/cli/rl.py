@@ -370,6 +370,7 @@ class RLDriver:
                 e.resume()
         out = {"time/weight_sync_s": time.perf_counter() - tick}
         out.update({f"sync/{k}_s": v for k, v in self.transport.parts.items()})
+        out.update({f"sync/{k}": v for k, v in self.transport.stats.items()})
         out.update(engine_sync_parts(self.roles.engines))
         self.enter("generation")
         if pause:

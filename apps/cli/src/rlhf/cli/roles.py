@@ -19,9 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlhf.cli.backends import backend_factory, compute_threads, rank_env
-from rlhf.cli.config import RLConfig, RoleConfig, VllmConfig
+from rlhf.cli.config import RLConfig
 from rlhf.cli.hybrid import TurnTaking, measure_headroom
 from rlhf.cli.placement import Placement, place, processes, where_this_process_runs
+from rlhf.cli.sections import RoleConfig, VllmConfig
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.warm import WarmRoles, warm_roles
 from rlhf.learner import LearnerConfig, LearnerGroup, ModelConfig

@@ -29,17 +29,10 @@ from typing import Any
 import torch
 
 from rlhf.algos import AlgoConfig, dynamic_filter
-from rlhf.cli.config import (
-    ConfigError,
-    EvalConfig,
-    RewardConfig,
-    RLConfig,
-    RolloutConfig,
-    RunError,
-    TrainConfig,
-)
+from rlhf.cli.config import ConfigError, RLConfig, RunError
 from rlhf.cli.data import Prompt, PromptSampler
 from rlhf.cli.schedule import Rollout
+from rlhf.cli.sections import EvalConfig, RewardConfig, RolloutConfig, TrainConfig
 from rlhf.learner import Samples
 
 

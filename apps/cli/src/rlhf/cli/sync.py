@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlhf.cli.config import WEIGHT_TRANSPORTS, ConfigError
+from rlhf.cli.config import ConfigError
+from rlhf.cli.sections import WEIGHT_TRANSPORTS
 from rlhf.learner import LearnerGroup
 from rlhf.rollout import RayEngine
 from rlhf.weights import Placement, choose, transport
@@ -73,9 +74,12 @@ class Transport(Protocol):
     last sync's time went, as the driver saw it (``sync/{part}_s``): ``actor_send`` (the
     actor's call, until the sync object is back), ``actor_pack`` (inside it, rank 0 packing
     and sending: the rest is Ray's call), ``engine_calls`` (the engines' load calls, which
-    hold their receive, validate, load and verify parts) and ``actor_release``."""
+    hold their receive, validate, load and verify parts) and ``actor_release``; ``stats``
+    is the sender's account of it (``sync/{key}``: a delta sender's ``bytes_sent``,
+    ``bytes_full``, ``changed_fraction``, ``whole_buckets``)."""
 
     parts: dict[str, float]
+    stats: dict[str, float]
 
     def sync(self, version: int) -> None: ...
 
@@ -88,10 +92,8 @@ def load_alone(
     """The actor's weights, stamped ``version``, into ``engine`` alone through the object
     store (whatever the run's transport); the sender is closed after. Returns the version."""
     try:
-        synced, _ = actor.send_weights(
-            kind="object_store", version=version, bucket_bytes=bucket_bytes
-        )
-        return engine.update_weights_from(synced, verify=verify)
+        sent = actor.send_weights(kind="object_store", version=version, bucket_bytes=bucket_bytes)
+        return engine.update_weights_from(sent.sync, verify=verify)
     finally:
         actor.close_weight_sender("object_store")
 
@@ -109,6 +111,7 @@ class SenderTransport:
     verify: bool | str
     bucket_bytes: int
     parts: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
     last: Any = None
     version: int | None = None
     """The version of the last sync (None before the first)."""
@@ -127,10 +130,11 @@ class SenderTransport:
             self._released()
             tick = time.perf_counter()
             self.last = None
-            synced, pack = self.actor.send_weights(
+            sent = self.actor.send_weights(
                 kind=self.kind, version=version, bucket_bytes=self.bucket_bytes
             )
-            sent = time.perf_counter()
+            synced = sent.sync
+            sent_at = time.perf_counter()
             for i, engine in enumerate(self.engines):
                 try:
                     engine.update_weights_from(synced, verify=self.verify)
@@ -140,16 +144,18 @@ class SenderTransport:
                     dead.append((i, engine))
             loaded = time.perf_counter()
             self.version = version
-            if transport(self.kind).rejoinable:
+            spec = transport(self.kind)
+            if spec.rejoinable:
                 self.last = synced
-            else:  # every engine loaded: what the sync kept alive (CUDA IPC buffers) may go
+            if spec.release_after_load:  # every engine loaded: the CUDA IPC buffers may go
                 self._releasing = self.actor.close_weight_sender(self.kind, wait=False)
         self.parts = {
-            "actor_send": sent - tick,
-            "actor_pack": pack,
-            "engine_calls": loaded - sent,
+            "actor_send": sent_at - tick,
+            "actor_pack": sent.seconds,
+            "engine_calls": loaded - sent_at,
             "actor_release": time.perf_counter() - loaded,
         }
+        self.stats = dict(sent.metrics)
         for i, engine in dead:
             assert self.on_engine_died is not None
             self.on_engine_died(i, engine)
@@ -174,10 +180,14 @@ class SenderTransport:
                 return engine.weight_version
             if transport(self.kind).rejoinable:
                 return engine.update_weights_from(self.last, verify=self.verify)
-            return load_alone(
+            version = load_alone(
                 engine, actor=self.actor, version=self.version, verify=self.verify,
                 bucket_bytes=self.bucket_bytes,
             )  # fmt: skip
+            # A new sender: its first sync goes whole (a delta sender's base is a sync the new
+            # engine never received).
+            self.actor.close_weight_sender(self.kind)
+            return version
 
     def close(self) -> None:
         self._released()
@@ -206,6 +216,7 @@ class GroupTransport:
     bucket_bytes: int
     kind: str = "broadcast"
     parts: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
     version: int | None = None
     """The version of the last sync (None before the first)."""
     on_engine_died: Callable[[int, RayEngine], object] | None = None
@@ -288,16 +299,17 @@ class GroupTransport:
         loads = [e.update_weights_from_group(verify=self.verify) for e in self.engines]
         tick = time.perf_counter()
         try:
-            _, pack = self.actor.send_weights(  # the engines receive while it sends
+            sent = self.actor.send_weights(  # the engines receive while it sends
                 kind=self.kind, version=version, bucket_bytes=self.bucket_bytes
             )
-            sent = time.perf_counter()
+            sent_at = time.perf_counter()
             ray.get(loads)
             self.parts = {
-                "actor_send": sent - tick,
-                "actor_pack": pack,
-                "engine_calls": time.perf_counter() - sent,
+                "actor_send": sent_at - tick,
+                "actor_pack": sent.seconds,
+                "engine_calls": time.perf_counter() - sent_at,
             }
+            self.stats = dict(sent.metrics)
         except Exception as exc:
             self.actor.close_weight_sender(self.kind)  # ends the receives
             self._regroup = True

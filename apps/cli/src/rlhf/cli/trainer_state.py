@@ -23,9 +23,10 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from rlhf.cli.config import CkptConfig, ConfigError, TrainConfig
+from rlhf.cli.config import ConfigError
 from rlhf.cli.metrics import Sinks, open_sinks
 from rlhf.cli.resume import ResumePoint, resume_point
+from rlhf.cli.sections import CkptConfig, TrainConfig
 from rlhf.learner import CheckpointError
 
 SHAPE = ("batch_size",)

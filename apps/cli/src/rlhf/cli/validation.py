@@ -10,16 +10,15 @@ from __future__ import annotations
 import math
 import pathlib
 
-from rlhf.cli.config import (
+from rlhf.cli.config import RLConfig, is_reward_file
+from rlhf.cli.nodes import NodeSpec, NodeSpecError
+from rlhf.cli.sections import (
     FAILURE_POLICIES,
     TURN_CREDIT,
     VERIFY_SYNC,
     WEIGHT_TRANSPORTS,
-    RLConfig,
     TrainConfig,
-    is_reward_file,
 )
-from rlhf.cli.nodes import NodeSpec, NodeSpecError
 
 
 def problems(config: RLConfig) -> list[str]:

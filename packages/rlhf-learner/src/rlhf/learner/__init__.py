@@ -70,7 +70,7 @@ from rlhf.learner.phases import (
     token_values_of,
 )
 from rlhf.learner.role import InProcessRole, MicroBatching, Role
-from rlhf.learner.weights import RankSenders, send_weights, stream_weights
+from rlhf.learner.weights import RankSenders, SentWeights, send_weights, stream_weights
 
 if TYPE_CHECKING:
     from rlhf.learner.deepspeed_backend import DeepSpeedBackend
@@ -118,6 +118,7 @@ __all__ = [
     "Role",
     "SFTObjective",
     "Samples",
+    "SentWeights",
     "TokenRow",
     "batch_logprobs",
     "build_optimizer",

@@ -33,7 +33,7 @@ from rlhf.learner.role import (
     rank_work,
     row_results,
 )
-from rlhf.learner.weights import RankSenders
+from rlhf.learner.weights import RankSenders, SentWeights
 from rlhf.weights.ports import free_port
 
 
@@ -136,7 +136,7 @@ class RankWorker:
     def reload_states(self) -> dict[str, float]:
         return self.backend.reload_states()
 
-    def send_weights(self, kind: str, version: int, bucket_bytes: int) -> tuple[Any, float]:
+    def send_weights(self, kind: str, version: int, bucket_bytes: int) -> SentWeights:
         return self.senders.send(
             self.backend, kind=kind, version=version, bucket_bytes=bucket_bytes
         )
@@ -389,11 +389,11 @@ class LearnerGroup:
         """Undo `offload_states` on every rank."""
         return self._all("reload_states")
 
-    def send_weights(self, *, kind: str, version: int, bucket_bytes: int) -> tuple[Any, float]:
+    def send_weights(self, *, kind: str, version: int, bucket_bytes: int) -> SentWeights:
         """The role's weights, stamped ``version``, streamed into rank 0's sender of the
         `rlhf.weights` transport ``kind`` (made on first use; a group transport's when its
         group formed) in buckets of at most ``bucket_bytes``; every rank takes part in the
-        gathers. Returns rank 0's ``(sync for the engines, seconds it packed and sent)``."""
+        gathers. Returns rank 0's send (the sync for the engines, its seconds, metrics)."""
         return self._all("send_weights", kind, version, bucket_bytes)[0]
 
     def close_weight_sender(self, kind: str, *, wait: bool = True) -> list[Any]:

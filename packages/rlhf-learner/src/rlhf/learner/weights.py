@@ -9,13 +9,14 @@ there is at most one gathered parameter and one bucket.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rlhf.learner.backend import Backend
-from rlhf.weights import Sender, WeightBucket, iter_buckets, transport
+from rlhf.weights import Measured, Sender, WeightBucket, iter_buckets, transport
 
 
 def stream_weights(
@@ -60,6 +61,23 @@ def send_weights(
     return sender.send(buckets)
 
 
+@dataclass(frozen=True)
+class SentWeights:
+    """Rank 0's send of one sync.
+
+    Attributes:
+        sync: What the sender returned: the sync to hand to the engines (a sync-object
+            transport), or a group transport's count of buckets sent.
+        seconds: Packing and sending, on this rank.
+        metrics: The sender's account of the sync (`rlhf.weights.Measured`: a delta sender's
+            bytes and changed fraction); empty for others.
+    """
+
+    sync: Any
+    seconds: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
 class RankSenders:
     """One rank's ends of the `rlhf.weights` transports, by transport name: rank 0 makes its
     sender from the registry on first use (a group transport's when its group forms) and keeps
@@ -69,12 +87,9 @@ class RankSenders:
     def __init__(self) -> None:
         self.open: dict[str, Sender] = {}
 
-    def send(
-        self, backend: Backend, *, kind: str, version: int, bucket_bytes: int
-    ) -> tuple[Any, float]:
-        """Every rank: stream the weights into rank 0's ``kind`` sender. Returns ``(what the
-        sender returns, seconds this rank spent)``: packing and sending, without the call
-        that brought it here."""
+    def send(self, backend: Backend, *, kind: str, version: int, bucket_bytes: int) -> SentWeights:
+        """Every rank: stream the weights into rank 0's ``kind`` sender; what it sent, and the
+        seconds this rank spent packing and sending (without the call that brought it here)."""
         tick = time.perf_counter()
         spec = transport(kind)
         if backend.rank == 0 and kind not in self.open:
@@ -82,10 +97,12 @@ class RankSenders:
                 raise RuntimeError(f"the {kind} group must form (new_group, join) before a send")
             self.open[kind] = spec.sender()
         device = backend.device if spec.on_device else None
+        sender = self.open.get(kind)
         synced = send_weights(
-            backend, self.open.get(kind), version=version, bucket_bytes=bucket_bytes, device=device
+            backend, sender, version=version, bucket_bytes=bucket_bytes, device=device
         )
-        return synced, time.perf_counter() - tick
+        metrics = sender.metrics() if isinstance(sender, Measured) else {}
+        return SentWeights(synced, time.perf_counter() - tick, metrics)
 
     def close(self, kind: str) -> None:
         """Release ``kind``'s sender (leave its group)."""

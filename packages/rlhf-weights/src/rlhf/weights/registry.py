@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from rlhf.weights.format import WeightBucket
 
@@ -38,6 +38,14 @@ class Receiver(Protocol):
     def receive(self, sync: Any) -> list[WeightBucket]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Measured(Protocol):
+    """A sender that reports what its last sync sent (e.g. a delta sender: bytes against a
+    full sync's, the fraction of words that changed)."""
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 class GroupMember(Sender, Protocol):
@@ -100,6 +108,8 @@ class TransportSpec:
         bucket_mib: Its bucket size when none is asked for.
         rejoinable: The last sync stays readable until the next one, so an engine started in
             place of a dead one loads the very sync the others loaded.
+        release_after_load: The sender releases what a sync keeps alive once every engine
+            loaded it (CUDA IPC buffers), instead of at its next send.
         auto: Preference under ``auto`` per device (higher first; absent: never chosen).
         sender: Makes rank 0's sender (sync-object transports).
         receiver: Makes an engine's receiver (sync-object transports).
@@ -117,6 +127,7 @@ class TransportSpec:
     on_device: bool = False
     bucket_mib: int = 64
     rejoinable: bool = False
+    release_after_load: bool = False
     auto: Mapping[str, int] = field(default_factory=dict)
     sender: Callable[[], Sender] | None = None
     receiver: Callable[[], Receiver] | None = None

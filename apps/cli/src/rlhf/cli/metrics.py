@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from rlhf.cli.config import ConfigError
 from rlhf.cli.console import bar as progress_bar
 from rlhf.cli.console import live_console
-from rlhf.cli.sections import TrainConfig
+from rlhf.cli.sections import LoggingConfig
 
 
 class MetricsSink(Protocol):
@@ -163,7 +163,7 @@ class Sinks:
 
 
 def open_sinks(
-    train: TrainConfig, *, run_dir: pathlib.Path, run_config: Mapping[str, Any], resume: bool
+    train: LoggingConfig, *, run_dir: pathlib.Path, run_config: Mapping[str, Any], resume: bool
 ) -> Sinks:
     """``run_dir/metrics.jsonl`` and the sinks ``--train.use_tensorboard`` /
     ``--train.use_wandb`` ask for (``run_config`` becomes the W&B run's config; ``resume``

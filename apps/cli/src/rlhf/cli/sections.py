@@ -207,7 +207,34 @@ class RoleConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class LoggingConfig:
+    """Where a run's metrics go besides ``run_dir/metrics.jsonl``: one set of fields for RL
+    (``--train.use_wandb``, …, as `TrainConfig`'s) and for SFT, RM and DPO (``--use_wandb``,
+    …, at the top level of theirs).
+
+    Attributes:
+        use_tensorboard: Also write the metrics as TensorBoard events into this directory
+            (needs ``pip install 'rlhf-cli[tensorboard]'``); empty: JSONL only.
+        use_wandb: Also log to Weights & Biases (needs ``pip install 'rlhf-cli[wandb]'``;
+            credentials from ``wandb login`` or ``WANDB_API_KEY``, never a flag, so they stay
+            out of config.json; ``WANDB_MODE=offline`` keeps the run under ``run_dir/wandb``).
+            A resumed run continues the same W&B run.
+        wandb_project: W&B project.
+        wandb_org: W&B entity (team or user); empty: the account's default.
+        wandb_group: W&B group of the run; empty: none.
+        wandb_run_name: W&B display name; empty: the run directory's name.
+    """
+
+    use_tensorboard: str = ""
+    use_wandb: bool = False
+    wandb_project: str = "rlhf"
+    wandb_org: str = ""
+    wandb_group: str = ""
+    wandb_run_name: str = ""
+
+
+@dataclass(frozen=True)
+class TrainConfig(LoggingConfig):
     """The RL loop (flags ``--train.*``).
 
     Attributes:
@@ -270,16 +297,6 @@ class TrainConfig:
             which frees nothing and costs time); False: never.
         ref_reward_offload: Build the reference and the reward model with ZeRO-3 and their
             parameters offloaded to the CPU between uses (OpenRLHF's ``--ref_reward_offload``).
-        use_tensorboard: Also write the metrics as TensorBoard events into this directory
-            (needs ``pip install 'rlhf-cli[tensorboard]'``); empty: JSONL only.
-        use_wandb: Also log to Weights & Biases (needs ``pip install 'rlhf-cli[wandb]'``;
-            credentials from ``wandb login`` or ``WANDB_API_KEY``, never a flag, so they stay
-            out of config.json; ``WANDB_MODE=offline`` keeps the run under ``run_dir/wandb``).
-            A resumed run continues the same W&B run.
-        wandb_project: W&B project.
-        wandb_org: W&B entity (team or user); empty: the account's default.
-        wandb_group: W&B group of the run; empty: none.
-        wandb_run_name: W&B display name; empty: the run directory's name.
         weight_transport: How the actor's weights reach the engines (`rlhf.weights`):
             ``auto`` (CUDA IPC when the one engine shares the actor's GPU, an NCCL broadcast
             to engines on other GPUs, shared memory on one CPU machine, the object store
@@ -320,12 +337,6 @@ class TrainConfig:
     colocate_all: bool = False
     deepspeed_enable_sleep: bool | None = None
     ref_reward_offload: bool = False
-    use_tensorboard: str = ""
-    use_wandb: bool = False
-    wandb_project: str = "rlhf"
-    wandb_org: str = ""
-    wandb_group: str = ""
-    wandb_run_name: str = ""
     weight_transport: str = "auto"
     weight_bucket_mib: int = 0
     seed: int = 42

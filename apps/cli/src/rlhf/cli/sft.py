@@ -19,7 +19,7 @@ from rlhf.cli.backends import backend_factory, compute_threads, rank_env, role_p
 from rlhf.cli.config import ConfigError, absolute_path
 from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import Progress
-from rlhf.cli.sections import CkptConfig, PlanConfig, RayConfig, RoleConfig
+from rlhf.cli.sections import CkptConfig, LoggingConfig, PlanConfig, RayConfig, RoleConfig
 from rlhf.cli.trainer_state import (
     SHAPE,
     RowOrder,
@@ -34,7 +34,7 @@ from rlhf.cli.trainer_state import (
 
 
 @dataclass(frozen=True)
-class SFTConfig:
+class SFTConfig(LoggingConfig):
     """``rlhf train sft``.
 
     Attributes:
@@ -67,15 +67,6 @@ class SFTConfig:
         ckpt: Checkpoints under ``run_dir/checkpoints`` (``--ckpt.save_steps``, always after
             the last step), ``--ckpt.load_enable`` to resume from the newest one,
             ``--ckpt.keep``, ``--ckpt.export_hf``.
-        use_tensorboard: Also write the metrics as TensorBoard events into this directory
-            (needs ``pip install 'rlhf-cli[tensorboard]'``); empty: JSONL only.
-        use_wandb: Also log to Weights & Biases (needs ``pip install 'rlhf-cli[wandb]'``;
-            credentials from ``wandb login`` or ``WANDB_API_KEY``; ``WANDB_MODE=offline``
-            keeps the run under ``run_dir/wandb``). A resumed run continues the same W&B run.
-        wandb_project: W&B project.
-        wandb_org: W&B entity (team or user); empty: the account's default.
-        wandb_group: W&B group of the run; empty: none.
-        wandb_run_name: W&B display name; empty: the run directory's name.
         ray: The Ray cluster (a local one, or one to join: ``--ray.address``).
         dry_run: Print the capacity plan from the model's config.json alone and exit (0 when
             it fits, 1 when not; `rlhf.cli.dry_run`); ``--dataset`` is not needed then.
@@ -102,12 +93,6 @@ class SFTConfig:
     seed: int = 42
     model: RoleConfig = field(default_factory=RoleConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
-    use_tensorboard: str = ""
-    use_wandb: bool = False
-    wandb_project: str = "rlhf"
-    wandb_org: str = ""
-    wandb_group: str = ""
-    wandb_run_name: str = ""
     ray: RayConfig = field(default_factory=RayConfig)
     dry_run: bool = False
     plan: PlanConfig = field(default_factory=PlanConfig)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from rlhf.cli.config import ConfigError
 from rlhf.cli.metrics import Sinks, open_sinks
 from rlhf.cli.resume import ResumePoint, resume_point
-from rlhf.cli.sections import CkptConfig, TrainConfig
+from rlhf.cli.sections import CkptConfig, LoggingConfig
 from rlhf.learner import CheckpointError
 
 SHAPE = ("batch_size",)
@@ -248,41 +248,12 @@ def save_hf_at(
     return path
 
 
-class SinkFlags(Protocol):
-    """The logging flags of a trainer config (the leaf names of the RL command's
-    ``--train.use_tensorboard`` etc., top level in ``rlhf train sft|rm|dpo``)."""
-
-    @property
-    def use_tensorboard(self) -> str: ...
-    @property
-    def use_wandb(self) -> bool: ...
-    @property
-    def wandb_project(self) -> str: ...
-    @property
-    def wandb_org(self) -> str: ...
-    @property
-    def wandb_group(self) -> str: ...
-    @property
-    def wandb_run_name(self) -> str: ...
-
-
-SINK_FLAGS = (
-    "use_tensorboard",
-    "use_wandb",
-    "wandb_project",
-    "wandb_org",
-    "wandb_group",
-    "wandb_run_name",
-)
-
-
 def open_trainer_sinks(
-    flags: SinkFlags, *, run_dir: pathlib.Path, run_config: Mapping[str, Any], resume: bool
+    flags: LoggingConfig, *, run_dir: pathlib.Path, run_config: Mapping[str, Any], resume: bool
 ) -> Sinks:
-    """`rlhf.cli.metrics.open_sinks` for a config with top-level logging flags: the same
-    sinks, and errors that name ``--use_tensorboard`` / ``--use_wandb``."""
-    train = TrainConfig(**{name: getattr(flags, name) for name in SINK_FLAGS})
+    """`rlhf.cli.metrics.open_sinks` for a trainer config (its logging flags at the top
+    level): the same sinks, and errors that name ``--use_tensorboard`` / ``--use_wandb``."""
     try:
-        return open_sinks(train, run_dir=run_dir, run_config=run_config, resume=resume)
+        return open_sinks(flags, run_dir=run_dir, run_config=run_config, resume=resume)
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("--train.use_", "--use_")) from None

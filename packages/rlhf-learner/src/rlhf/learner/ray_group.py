@@ -88,19 +88,19 @@ class RankWorker:
 
     def train_micro_batches(
         self,
-        micro: Sequence[Batch],
+        micro_batches: Sequence[Batch],
         objective: Objective,
-        weights: Sequence[float] | None,
+        weights: Sequence[float] | None = None,
         threads: int | None = None,
     ) -> dict[str, float]:
         with intra_op_threads(threads):
-            return self.backend.train_micro_batches(micro, objective, weights=weights)
+            return self.backend.train_micro_batches(micro_batches, objective, weights=weights)
 
     def forward_micro_batches(
-        self, micro: Sequence[Batch], fn: ForwardFn, threads: int | None = None
+        self, micro_batches: Sequence[Batch], fn: ForwardFn, threads: int | None = None
     ) -> list[Any]:
         with intra_op_threads(threads):
-            return self.backend.forward_micro_batches(micro, fn)
+            return self.backend.forward_micro_batches(micro_batches, fn)
 
     def num_threads(self) -> int:
         """torch's intra-op threads in this rank's process now."""
@@ -127,10 +127,10 @@ class RankWorker:
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         return self.backend.load_checkpoint(directory)
 
-    def export_hf(self, directory: str, ema: bool) -> None:
+    def export_hf(self, directory: str, ema: bool = False) -> None:
         self.backend.export_hf(directory, ema=ema)
 
-    def offload_states(self, weights: bool) -> dict[str, float]:
+    def offload_states(self, weights: bool = True) -> dict[str, float]:
         return self.backend.offload_states(weights=weights)
 
     def reload_states(self) -> dict[str, float]:

@@ -1,0 +1,85 @@
+"""The Ray wrappers restate the methods of what they wrap (`RayEngine` → `EngineActor` →
+`VLLMEngine`, `LearnerGroup` → `RankWorker` → the `Backend` protocol): a method of one name
+must take what the wrapped method takes, so that a signature changed on one side and not on
+the other fails here instead of as a TypeError inside a Ray actor."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from rlhf.learner import Backend, LearnerGroup
+from rlhf.learner.ray_group import RankWorker
+from rlhf.rollout import RayEngine
+from rlhf.rollout.engine import VLLMEngine
+from rlhf.rollout.ray_engine import EngineActor
+
+EXTRAS = {"wait", "threads"}
+"""Parameters a wrapper adds for its own work (not waiting for the ranks, compute threads)."""
+
+
+def _methods(cls: type) -> dict[str, inspect.Signature]:
+    return {
+        name: inspect.signature(fn)
+        for name, fn in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_")
+    }
+
+
+def drift(wrapper: type, wrapped: type) -> list[str]:
+    """How the methods ``wrapper`` shares with ``wrapped`` disagree: a parameter the wrapped
+    method does not take, a default that differs, or a wrapped parameter without a default
+    that the wrapper never passes."""
+    out = []
+    mine, theirs = _methods(wrapper), _methods(wrapped)
+    for name in sorted(set(mine) & set(theirs)):
+        ours = {p.name: p for p in list(mine[name].parameters.values())[1:]}
+        wrapped_params = {p.name: p for p in list(theirs[name].parameters.values())[1:]}
+        for pname, p in ours.items():
+            if pname in EXTRAS:
+                continue
+            other = wrapped_params.get(pname)
+            if other is None:
+                out.append(f"{name}: {wrapped.__name__} takes no {pname!r}")
+            elif p.default is not p.empty and other.default not in (p.empty, p.default):
+                out.append(f"{name}: {pname}={p.default!r} against {other.default!r}")
+        for pname, other in wrapped_params.items():
+            if pname not in ours and other.default is other.empty:
+                out.append(f"{name}: {wrapper.__name__} never passes {pname!r}")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "wrapped"),
+    [
+        (RayEngine, EngineActor),
+        (EngineActor, VLLMEngine),
+        (LearnerGroup, RankWorker),
+        (RankWorker, Backend),
+    ],
+    ids=lambda c: c.__name__,
+)
+def test_mirrored_methods_take_what_they_wrap(wrapper, wrapped) -> None:
+    shared = set(_methods(wrapper)) & set(_methods(wrapped))
+    assert shared, "nothing mirrored: the pair is wrong"
+    assert drift(wrapper, wrapped) == []
+
+
+def test_the_check_sees_a_drifted_signature() -> None:
+    class Wrapped:
+        def load(self, directory: str, strict: bool = True) -> None: ...
+
+        def save(self, directory: str, tag: str) -> None: ...
+
+    class Wrapper:
+        def load(self, directory: str, strict: bool = False) -> None: ...
+
+        def save(self, path: str) -> None: ...
+
+    assert drift(Wrapper, Wrapped) == [
+        "load: strict=False against True",
+        "save: Wrapped takes no 'path'",
+        "save: Wrapper never passes 'directory'",
+        "save: Wrapper never passes 'tag'",
+    ]

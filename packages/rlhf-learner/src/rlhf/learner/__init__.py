@@ -12,7 +12,7 @@ may import ``rlhf.algos`` and ``rlhf.weights`` only.
 from typing import TYPE_CHECKING, Any
 
 from rlhf.learner.backend import Backend, BackendFactory, Objective
-from rlhf.learner.batch import Batch, collate, micro_batches, shard
+from rlhf.learner.batch import Batch, FieldName, collate, micro_batches, shard
 from rlhf.learner.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -103,6 +103,7 @@ __all__ = [
     "DeepSpeedBackend",
     "DeepSpeedConfig",
     "Experience",
+    "FieldName",
     "InProcessRole",
     "LearnerConfig",
     "LearnerGroup",

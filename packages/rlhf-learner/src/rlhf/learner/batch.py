@@ -10,9 +10,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
+
+FieldName = Literal[
+    "action_mask",
+    "advantages",
+    "loss_mask",
+    "margin",
+    "old_logprobs",
+    "old_values",
+    "ref_logprobs",
+    "ref_logps",
+    "returns",
+    "rollout_logprobs",
+    "token_rewards",
+]
+"""The names a `Batch`'s fields are read by (type-checked: a misspelt or unknown name is a
+type error where it is read, not a KeyError inside a rank). Per token (B, L): ``action_mask``,
+``advantages``, ``loss_mask``, ``old_logprobs``, ``old_values``, ``ref_logprobs``,
+``returns``, ``rollout_logprobs``, ``token_rewards``; per sequence (B,): ``margin``,
+``ref_logps``."""
 
 
 @dataclass
@@ -40,7 +60,7 @@ class Batch:
     packing_samples: bool = False
     chunked_lm_head: bool = False
 
-    def __getitem__(self, name: str) -> Tensor:
+    def __getitem__(self, name: FieldName) -> Tensor:
         try:
             return self.fields[name]
         except KeyError:
@@ -48,7 +68,7 @@ class Batch:
                 f"this step needs batch field {name!r}; the batch has {sorted(self.fields)}"
             ) from None
 
-    def get(self, name: str) -> Tensor | None:
+    def get(self, name: FieldName) -> Tensor | None:
         """The field, or None when absent."""
         return self.fields.get(name)
 

@@ -83,3 +83,42 @@ def test_the_check_sees_a_drifted_signature() -> None:
         "save: Wrapper never passes 'directory'",
         "save: Wrapper never passes 'tag'",
     ]
+
+
+def test_a_registered_backend_answers_for_its_roles(monkeypatch) -> None:
+    """A third backend registered in `rlhf.cli.backends.BACKENDS` is what the role, the plan,
+    the planner and validation ask: no branch on backend names stands in its way."""
+    from rlhf.cli import backends
+    from rlhf.cli.dry_run import compute_bytes
+    from rlhf.cli.plan import trains_on
+    from rlhf.cli.sections import RoleConfig
+
+    class Toy(backends.Molt):
+        name = "toy"
+        context_parallel_flag = "toy.cp"
+
+        def tensor_parallel(self, role) -> int:
+            return 4
+
+        def own_context_parallel(self, role) -> int:
+            return 2
+
+        def compute_bytes(self, role) -> int:
+            return 1
+
+        def describe(self, role) -> str:
+            return "toy (tp 4)"
+
+        def problems(self, role, *, flag: str) -> list[str]:
+            return [f"--{flag}.backend toy needs nothing but this test"]
+
+    monkeypatch.setitem(backends.BACKENDS, "toy", Toy())
+    role = RoleConfig(backend="toy", num_ranks=8)
+    assert (role.tensor_parallel, role.context_parallel) == (4, 2)
+    assert trains_on(role) == "toy (tp 4)" and compute_bytes(role) == 1
+    assert backends.role_problems(role, flag="actor")[-1] == (
+        "--actor.backend toy needs nothing but this test"
+    )
+    assert backends.role_problems(RoleConfig(backend="nope"), flag="actor") == [
+        "--actor.backend must be one of deepspeed, molt, toy, got 'nope'"
+    ]

@@ -1,7 +1,10 @@
 """The learner backends a role can run on (``--<role>.backend``), by name.
 
-Each entry turns a role's settings into the factory `rlhf.learner.LearnerGroup.build` calls in
-every rank's process; the concrete backends are imported only there and when chosen.
+Each entry (`LearnerBackend`) says, for a role's settings, the factory
+`rlhf.learner.LearnerGroup.build` calls in every rank's process (the concrete backends are
+imported only there and when chosen), how the role splits (tensor and context parallel),
+whether it compiles, its memory for the planner, how the plan describes it and what keeps it
+from building; the CLI asks the role's entry instead of comparing backend names.
 """
 
 from __future__ import annotations
@@ -11,33 +14,199 @@ import functools
 import importlib.util
 import os
 import pathlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rlhf.cli.capacity import LearnerLoad, Memory, deepspeed_memory, molt_memory
 
 if TYPE_CHECKING:
     from rlhf.cli.sections import RoleConfig
 
 
-def _deepspeed(role: RoleConfig) -> Any:
-    from rlhf.learner import DeepSpeedBackend
+class LearnerBackend(Protocol):
+    """One ``--<role>.backend``: how a role's settings build, split, compile, plan and fail on
+    it. The CLI asks the role's entry (`backend_of`) instead of comparing names."""
 
-    return DeepSpeedBackend
+    name: str
+    context_parallel_flag: str
+    """The backend's own context-parallel option (beside ``--<role>.ring_attn_size``)."""
+    features: frozenset[str]
+    """Model options built for this backend: ``qlora`` (``model.load_in_4bit``), ``liger``
+    (``model.use_liger_kernel``)."""
+
+    def factory(self, role: RoleConfig) -> Any:
+        """The `rlhf.learner.BackendFactory` every rank calls."""
+        ...
+
+    def tensor_parallel(self, role: RoleConfig) -> int: ...
+
+    def own_context_parallel(self, role: RoleConfig) -> int: ...
+
+    def learner_ring(self, role: RoleConfig) -> int:
+        """The ring size `rlhf.learner.LearnerConfig` carries (1: the backend splits the
+        sequence its own way)."""
+        ...
+
+    def compiles(self, role: RoleConfig) -> bool:
+        """The role compiles on CPUs too (TorchDynamo must stay on)."""
+        ...
+
+    def compute_bytes(self, role: RoleConfig) -> int: ...
+
+    def offloadable(self, role: RoleConfig) -> bool:
+        """Its states can leave the device between phases (hybrid placement)."""
+        ...
+
+    def describe(self, role: RoleConfig) -> str:
+        """How it trains, for the plan."""
+        ...
+
+    def memory(self, role: RoleConfig, load: LearnerLoad) -> Memory:
+        """One rank's memory for the planner (`rlhf.cli.capacity`)."""
+        ...
+
+    def problems(self, role: RoleConfig, *, flag: str) -> list[str]:
+        """What keeps ``role`` from building on this backend, naming the flags."""
+        ...
 
 
-def _molt(role: RoleConfig) -> Any:
-    from rlhf.molt import FSDPBackend
+class DeepSpeed:
+    """DeepSpeed ZeRO 0–3 (`rlhf.learner.DeepSpeedBackend`)."""
 
-    return functools.partial(FSDPBackend, fsdp=role.fsdp_options())
+    name = "deepspeed"
+    context_parallel_flag = "deepspeed.ring_attn_size"
+    features = frozenset({"qlora", "liger"})
+
+    def factory(self, role: RoleConfig) -> Any:
+        from rlhf.learner import DeepSpeedBackend
+
+        return DeepSpeedBackend
+
+    def tensor_parallel(self, role: RoleConfig) -> int:
+        return role.deepspeed.tp_size
+
+    def own_context_parallel(self, role: RoleConfig) -> int:
+        return role.deepspeed.ring_attn_size
+
+    def learner_ring(self, role: RoleConfig) -> int:
+        return role.context_parallel
+
+    def compiles(self, role: RoleConfig) -> bool:
+        return False  # DeepCompile and the fused log-prob chunks compile on CUDA only
+
+    def compute_bytes(self, role: RoleConfig) -> int:
+        from rlhf.cli.model_shape import DTYPE_BYTES
+
+        return 2 if role.deepspeed.bf16 else DTYPE_BYTES.get(role.model.dtype, 4)
+
+    def offloadable(self, role: RoleConfig) -> bool:
+        return role.deepspeed.zero_stage in (1, 2)
+
+    def describe(self, role: RoleConfig) -> str:
+        cp, tp = role.context_parallel, role.deepspeed.tp_size
+        mesh = f", dp {role.num_ranks // cp} x ring {cp}" if cp > 1 else ""
+        mesh += f", dp {role.num_ranks // tp} x tp {tp} (AutoTP)" if tp > 1 else ""
+        compiled = ", DeepCompile" if role.deepspeed.deepcompile else ""
+        return f"ZeRO-{role.deepspeed.zero_stage}{mesh}{compiled}"
+
+    def memory(self, role: RoleConfig, load: LearnerLoad) -> Memory:
+        ds = role.deepspeed
+        return deepspeed_memory(
+            load,
+            zero_stage=ds.zero_stage,
+            offload_optimizer=ds.offload_optimizer,
+            offload_params=ds.offload_params,
+        )
+
+    def problems(self, role: RoleConfig, *, flag: str) -> list[str]:
+        return _deepspeed_problems(role, flag=flag) + _unread_fsdp_problems(role, flag=flag)
 
 
-BACKENDS: dict[str, Callable[[RoleConfig], Any]] = {"deepspeed": _deepspeed, "molt": _molt}
+class Molt:
+    """PyTorch FSDP2 over DTensor (`rlhf.molt.FSDPBackend`)."""
+
+    name = "molt"
+    context_parallel_flag = "fsdp.cp_size"
+    features: frozenset[str] = frozenset()
+
+    def factory(self, role: RoleConfig) -> Any:
+        from rlhf.molt import FSDPBackend
+
+        return functools.partial(FSDPBackend, fsdp=role.fsdp_options())
+
+    def tensor_parallel(self, role: RoleConfig) -> int:
+        return role.fsdp.tp_size
+
+    def own_context_parallel(self, role: RoleConfig) -> int:
+        return role.fsdp.cp_size
+
+    def learner_ring(self, role: RoleConfig) -> int:
+        return 1  # molt splits the sequence over its own mesh (fsdp_options' cp_size)
+
+    def compiles(self, role: RoleConfig) -> bool:
+        return role.fsdp.compile
+
+    def compute_bytes(self, role: RoleConfig) -> int:
+        from rlhf.cli.model_shape import DTYPE_BYTES
+
+        return DTYPE_BYTES[role.fsdp.param_dtype]
+
+    def offloadable(self, role: RoleConfig) -> bool:
+        return True
+
+    def describe(self, role: RoleConfig) -> str:
+        tp, cp = role.fsdp.tp_size, role.context_parallel
+        mesh = f", dp {role.num_ranks // tp} x tp {tp}" if tp > 1 else ""
+        mesh += ", sequence parallel" if tp > 1 and role.fsdp.sequence_parallel else ""
+        mesh += f", dp {role.num_ranks // cp} x cp {cp}" if cp > 1 else ""
+        compiled = ", compiled" if role.fsdp.compile else ""
+        return f"FSDP2 (molt, {role.fsdp.param_dtype}{mesh}{compiled})"
+
+    def memory(self, role: RoleConfig, load: LearnerLoad) -> Memory:
+        return molt_memory(
+            load,
+            offload=role.fsdp.offload,
+            param_dtype_bytes=self.compute_bytes(role),
+            reshard_after_forward=role.fsdp.reshard_after_forward,
+        )
+
+    def problems(self, role: RoleConfig, *, flag: str) -> list[str]:
+        from rlhf.molt import FSDPConfigError
+
+        problems = []
+        try:
+            role.fsdp_options().validate(flag=f"{flag}.fsdp")
+        except FSDPConfigError as exc:
+            problems.append(str(exc))
+        problems += _tensor_parallel_problems(role, flag=flag)
+        if role.model.lora_rank and role.fsdp.tp_size > 1:
+            problems.append(
+                f"--{flag}.model.lora_rank with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: "
+                "LoRA adapters are not split over tensor-parallel ranks yet; use tp_size 1 "
+                "for LoRA"
+            )
+        if role.model.chunked_lm_head and role.fsdp.tp_size > 1:
+            problems.append(
+                f"--{flag}.model.chunked_lm_head with --{flag}.fsdp.tp_size "
+                f"{role.fsdp.tp_size}: the chunked head reads the lm_head whole, which tensor "
+                "parallelism splits by vocabulary; use one of the two"
+            )
+        return problems
+
+
+BACKENDS: dict[str, LearnerBackend] = {b.name: b for b in (DeepSpeed(), Molt())}
 """``--<role>.backend`` values: DeepSpeed ZeRO 0–3 (`rlhf.learner.DeepSpeedBackend`) or FSDP2
 (`rlhf.molt.FSDPBackend`)."""
 
 
+def backend_of(role: RoleConfig) -> LearnerBackend:
+    """``role``'s backend entry. A name not in `BACKENDS` is refused by `role_problems`;
+    until then it reads as ``deepspeed``, the default."""
+    return BACKENDS.get(role.backend, BACKENDS["deepspeed"])
+
+
 def backend_factory(role: RoleConfig) -> Any:
     """The `rlhf.learner.BackendFactory` of ``role`` (validated: see `role_problems`)."""
-    return BACKENDS[role.backend](role)
+    return BACKENDS[role.backend].factory(role)
 
 
 def rank_env(role: RoleConfig, *, gpu: bool) -> dict[str, str]:
@@ -51,7 +220,7 @@ def rank_env(role: RoleConfig, *, gpu: bool) -> dict[str, str]:
     the mark keeps a later run without it from taking such a process over (it is part of the
     warm-process key)."""
     env = {"RLHF_LIGER_KERNEL": "1"} if role.model.use_liger_kernel else {}
-    compiles = gpu or (role.backend == "molt" and role.fsdp.compile)
+    compiles = gpu or backend_of(role).compiles(role)
     if not compiles and "TORCHDYNAMO_DISABLE" not in os.environ:
         env["TORCHDYNAMO_DISABLE"] = "1"
     return env
@@ -74,8 +243,6 @@ def compute_threads(*, num_ranks: int, gpu: bool, beside_engines: bool) -> int |
 def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
     """What keeps ``role`` (flags ``--{flag}.*``) from building on its backend, each message
     naming the flag and what to do; empty when it can."""
-    from rlhf.molt import FSDPConfigError
-
     if role.backend not in BACKENDS:
         return [f"--{flag}.backend must be one of {', '.join(BACKENDS)}, got {role.backend!r}"]
     problems = []
@@ -95,28 +262,7 @@ def role_problems(role: RoleConfig, *, flag: str) -> list[str]:
         problems += _liger_problems(role, flag=flag)
     if role.model.load_in_4bit:
         problems += _qlora_problems(role, flag=flag)
-    if role.backend == "deepspeed":
-        problems += _deepspeed_problems(role, flag=flag)
-        problems += _unread_fsdp_problems(role, flag=flag)
-    if role.backend != "molt":
-        return problems
-    try:
-        role.fsdp_options().validate(flag=f"{flag}.fsdp")
-    except FSDPConfigError as exc:
-        problems.append(str(exc))
-    problems += _tensor_parallel_problems(role, flag=flag)
-    if role.model.lora_rank and role.fsdp.tp_size > 1:
-        problems.append(
-            f"--{flag}.model.lora_rank with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: LoRA "
-            "adapters are not split over tensor-parallel ranks yet; use tp_size 1 for LoRA"
-        )
-    if role.model.chunked_lm_head and role.fsdp.tp_size > 1:
-        problems.append(
-            f"--{flag}.model.chunked_lm_head with --{flag}.fsdp.tp_size {role.fsdp.tp_size}: "
-            "the chunked head reads the lm_head whole, which tensor parallelism splits by "
-            "vocabulary; use one of the two"
-        )
-    return problems
+    return problems + BACKENDS[role.backend].problems(role, flag=flag)
 
 
 def _unread_fsdp_problems(role: RoleConfig, *, flag: str) -> list[str]:
@@ -139,7 +285,7 @@ def _unread_fsdp_problems(role: RoleConfig, *, flag: str) -> list[str]:
 def _qlora_problems(role: RoleConfig, *, flag: str) -> list[str]:
     """``--{flag}.model.load_in_4bit``: QLoRA on the DeepSpeed backend with bitsandbytes."""
     named = f"--{flag}.model.load_in_4bit"
-    if role.backend != "deepspeed":
+    if "qlora" not in backend_of(role).features:
         return [f"{named} is built for the deepspeed backend; leave it out with {role.backend}"]
     if importlib.util.find_spec("bitsandbytes") is None:
         return [
@@ -157,7 +303,7 @@ def _liger_problems(role: RoleConfig, *, flag: str) -> list[str]:
             f"{named} needs GPUs (--{flag}.num_gpus_per_rank > 0): Liger's kernels are "
             "Triton kernels for CUDA; leave it out on CPUs"
         ]
-    if role.backend != "deepspeed":
+    if "liger" not in backend_of(role).features:
         return [f"{named} is built for the deepspeed backend; leave it out with {role.backend}"]
     if importlib.util.find_spec("liger_kernel") is None:
         return [f"{named} needs liger-kernel, which is not installed: pip install liger-kernel"]
@@ -169,7 +315,7 @@ def _context_parallel_problems(role: RoleConfig, *, flag: str) -> list[str]:
     ``fsdp.cp_size``): one size, dividing the ranks, not with LoRA or the chunked lm_head."""
     from rlhf.learner.context_parallel import check_group_size
 
-    own = "fsdp.cp_size" if role.backend == "molt" else "deepspeed.ring_attn_size"
+    own = backend_of(role).context_parallel_flag
     if len(role.context_parallel_sizes()) > 1:
         return [
             f"--{flag}.ring_attn_size {role.ring_attn_size} and --{flag}.{own} disagree; "

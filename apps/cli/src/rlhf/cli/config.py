@@ -10,6 +10,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from rlhf.algos import AlgoConfig
+from rlhf.cli.backends import backend_of
 from rlhf.cli.nodes import NodeSpec
 from rlhf.cli.sections import (
     VERIFY_SYNC,
@@ -190,10 +191,7 @@ class RLConfig:
     def offloadable_stages(self) -> bool:
         """Every trained role's states can leave the device between phases (ZeRO-1/2, or
         the molt backend)."""
-        return all(
-            role.backend == "molt" or role.deepspeed.zero_stage in (1, 2)
-            for role in self.trained_roles
-        )
+        return all(backend_of(role).offloadable(role) for role in self.trained_roles)
 
     def offloads_learners(self, *, gpu: bool) -> bool:
         """Whether hybrid placement may move the actor's (and critic's) states between phases

@@ -17,13 +17,12 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rlhf.cli.backends import backend_of
 from rlhf.cli.capacity import (
     GIB,
     EngineLoad,
     LearnerLoad,
     Memory,
-    deepspeed_memory,
-    molt_memory,
 )
 from rlhf.cli.config import RLConfig
 from rlhf.cli.model_shape import DTYPE_BYTES, ModelShape
@@ -67,9 +66,7 @@ def lora_params(shape: ModelShape, *, rank: int, targets: tuple[str, ...]) -> in
 
 def compute_bytes(role: RoleConfig) -> int:
     """Bytes per element of the role's compute dtype."""
-    if role.backend == "molt":
-        return DTYPE_BYTES[role.fsdp.param_dtype]
-    return 2 if role.deepspeed.bf16 else DTYPE_BYTES.get(role.model.dtype, 4)
+    return backend_of(role).compute_bytes(role)
 
 
 def learner_memory(
@@ -103,20 +100,7 @@ def learner_memory(
         layer_tensors=shape.layer_tensors,
         other_tensors=shape.other_tensors,
     )
-    if role.backend == "molt":
-        return molt_memory(
-            load,
-            offload=role.fsdp.offload,
-            param_dtype_bytes=DTYPE_BYTES[role.fsdp.param_dtype],
-            reshard_after_forward=role.fsdp.reshard_after_forward,
-        )
-    ds = role.deepspeed
-    return deepspeed_memory(
-        load,
-        zero_stage=ds.zero_stage,
-        offload_optimizer=ds.offload_optimizer,
-        offload_params=ds.offload_params,
-    )
+    return backend_of(role).memory(role, load)
 
 
 def micro_batch_tokens(*, rows: int, max_len: int, budget: int) -> int:

@@ -3,6 +3,7 @@ each role runs."""
 
 from __future__ import annotations
 
+from rlhf.cli.backends import backend_of
 from rlhf.cli.config import RLConfig
 from rlhf.cli.placement import describe, describe_nodes, plan_bundles
 from rlhf.cli.sections import RoleConfig, TrainConfig
@@ -57,18 +58,7 @@ def trains_on(role: RoleConfig) -> str:
     is split over context-parallel ranks, and ``, compiled`` with ``fsdp.compile``; on
     DeepSpeed ``, dp <n> x ring <m>`` with ring attention, ``, dp <n> x tp <m> (AutoTP)`` with
     ``deepspeed.tp_size`` and ``, DeepCompile`` with ``deepspeed.deepcompile``."""
-    if role.backend == "molt":
-        tp, cp = role.fsdp.tp_size, role.context_parallel
-        mesh = f", dp {role.num_ranks // tp} x tp {tp}" if tp > 1 else ""
-        mesh += ", sequence parallel" if tp > 1 and role.fsdp.sequence_parallel else ""
-        mesh += f", dp {role.num_ranks // cp} x cp {cp}" if cp > 1 else ""
-        compiled = ", compiled" if role.fsdp.compile else ""
-        return f"FSDP2 (molt, {role.fsdp.param_dtype}{mesh}{compiled})"
-    cp, tp = role.context_parallel, role.deepspeed.tp_size
-    mesh = f", dp {role.num_ranks // cp} x ring {cp}" if cp > 1 else ""
-    mesh += f", dp {role.num_ranks // tp} x tp {tp} (AutoTP)" if tp > 1 else ""
-    compiled = ", DeepCompile" if role.deepspeed.deepcompile else ""
-    return f"ZeRO-{role.deepspeed.zero_stage}{mesh}{compiled}"
+    return backend_of(role).describe(role)
 
 
 def mode(t: TrainConfig) -> str:

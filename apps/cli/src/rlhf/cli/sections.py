@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhf.cli.backends import backend_of
 from rlhf.learner import DeepSpeedConfig, LearnerConfig, ModelConfig, OptimizerConfig
 from rlhf.molt import FSDPConfig
 from rlhf.rollout import EngineOptions
@@ -156,8 +157,7 @@ class RoleConfig:
     def context_parallel_sizes(self) -> set[int]:
         """The context-parallel sizes set on this role's backend (more than one: they
         conflict; none: 1)."""
-        own = self.fsdp.cp_size if self.backend == "molt" else self.deepspeed.ring_attn_size
-        return {self.ring_attn_size, own} - {1}
+        return {self.ring_attn_size, backend_of(self).own_context_parallel(self)} - {1}
 
     @property
     def context_parallel(self) -> int:
@@ -167,7 +167,7 @@ class RoleConfig:
     def learner(self, *, seed: int, total_steps: int, train: bool = True) -> LearnerConfig:
         """The role for `rlhf.learner` (``train`` False: eval-only, no optimizer)."""
         optimizer = dataclasses.replace(self.optimizer, total_steps=max(total_steps, 1))
-        ring = self.context_parallel if self.backend == "deepspeed" else 1
+        ring = backend_of(self).learner_ring(self)
         return LearnerConfig(
             model=self.model,
             optimizer=optimizer if train else None,
@@ -199,7 +199,7 @@ class RoleConfig:
     def tensor_parallel(self) -> int:
         """The tensor-parallel size on the role's backend (``fsdp.tp_size`` or
         ``deepspeed.tp_size``)."""
-        return self.fsdp.tp_size if self.backend == "molt" else self.deepspeed.tp_size
+        return backend_of(self).tensor_parallel(self)
 
     def with_model(self, **changes: object) -> RoleConfig:
         """This role with ``model`` fields changed."""

@@ -191,8 +191,13 @@ def test_user_files_are_checked_before_anything_starts(assets, tmp_path, flag, n
     if flag in args:
         del args[args.index(flag) : args.index(flag) + 2]
     config = parse_rl("grpo", [*args, flag, str(tmp_path / name)])
+    config = config.validate().with_absolute_paths()
     with pytest.raises(ConfigError, match=message):
-        check_user_files(config.validate().with_absolute_paths())
+        check_user_files(
+            reward=config.resolved_reward(),
+            agent_path=config.train.agent_func_path,
+            policy_path=config.actor.model.path,
+        )
 
 
 def test_a_reward_file_that_fails_to_import_exits_2_before_ray_starts(assets, tmp_path):

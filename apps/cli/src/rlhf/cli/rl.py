@@ -103,7 +103,11 @@ def run_rl(
     config = steps_of_episodes(config.validate().with_absolute_paths(), echo=echo)
     for path in config.model_dirs():
         check_model_dir(path)
-    check_user_files(config)
+    check_user_files(
+        reward=config.resolved_reward(),
+        agent_path=config.train.agent_func_path,
+        policy_path=config.actor.model.path,
+    )
     # Ray's processes start while this one imports and reads the tokenizer and prompts.
     start_ray_early(address=config.ray.address)
     from transformers import AutoTokenizer

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rlhf.algos import AlgoConfig, dynamic_filter
-from rlhf.cli.config import ConfigError, RLConfig, RunError
+from rlhf.cli.config import ConfigError, RunError
 from rlhf.cli.data import Prompt, PromptSampler
 from rlhf.cli.schedule import Rollout
 from rlhf.cli.sections import EvalConfig, RewardConfig, RolloutConfig, TrainConfig
@@ -158,17 +158,17 @@ def has_chat_template(model_path: str) -> bool:
     return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
-def check_user_files(config: RLConfig) -> None:
-    """The run's reward file and agent file imported and checked before Ray or any role
-    starts: a `ConfigError` naming the flag and the file. Imports are cached per file
-    (`rlhf.agents.load_module`), so the executors reuse these modules."""
-    reward = config.resolved_reward()
+def check_user_files(*, reward: RewardConfig, agent_path: str, policy_path: str) -> None:
+    """The run's reward file (``reward``: ``config.resolved_reward()``) and agent file
+    (``--train.agent_func_path``) imported and checked before Ray or any role starts, against
+    the policy's tokenizer at ``policy_path``: a `ConfigError` naming the flag and the file.
+    Imports are cached per file (`rlhf.agents.load_module`), so the executors reuse these
+    modules."""
     if not reward.remote_url and not reward.reward_func.startswith("builtin:"):
         reward_source(reward)
-    path = config.train.agent_func_path
-    if path:
+    if agent_path:
         agent_environments(
-            agent_module(path), path, chat_template=has_chat_template(config.actor.model.path)
+            agent_module(agent_path), agent_path, chat_template=has_chat_template(policy_path)
         )
 
 

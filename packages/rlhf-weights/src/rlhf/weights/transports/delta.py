@@ -29,7 +29,7 @@ has no tensors and the checksum algorithm ``"delta"``; a whole bucket is the buc
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,7 +171,7 @@ class _Base:
 
 class DeltaEncoder:
     """The sender's half, shared by the delta transports: encodes a stream of buckets against
-    the last sync and keeps the new one once the send went through (`commit`)."""
+    the last sync and keeps the new one once the send went through (`send`)."""
 
     def __init__(self, *, max_ratio: float = MAX_RATIO) -> None:
         self.base = _Base()
@@ -198,9 +198,28 @@ class DeltaEncoder:
             s.whole_buckets += sent is bucket
             yield sent
 
-    def commit(self, version: int) -> None:
-        self.base.buffers, self.base.version = self._next, version
+    def send(
+        self, send: Callable[[Iterable[WeightBucket]], Any], buckets: Iterable[WeightBucket]
+    ) -> Any:
+        """What ``send`` (the inner transport's) returns for ``buckets`` encoded. Once it
+        returned, this sync is the base of the next; if it raised, the base is dropped (the
+        receivers may hold either sync: the next goes whole)."""
+        version: list[int] = []
+
+        def stream() -> Iterator[WeightBucket]:
+            for b in self.encode(buckets):
+                version[:1] = [b.version]
+                yield b
+
+        try:
+            out = send(stream())
+        except BaseException:
+            self.base.drop()
+            raise
+        if version:
+            self.base.buffers, self.base.version = self._next, version[0]
         self._next = {}
+        return out
 
 
 class DeltaSender:
@@ -212,21 +231,7 @@ class DeltaSender:
         self.encoder = DeltaEncoder()
 
     def send(self, buckets: Iterable[WeightBucket]) -> DeltaSync:
-        version: list[int] = []
-
-        def stream() -> Iterator[WeightBucket]:
-            for b in self.encoder.encode(buckets):
-                version[:1] = [b.version]
-                yield b
-
-        try:
-            sync = DeltaSync(self.inner.send(stream()))
-        except BaseException:
-            self.encoder.base.drop()  # the receivers may hold either sync: the next goes whole
-            raise
-        if version:
-            self.encoder.commit(version[0])
-        return sync
+        return DeltaSync(self.encoder.send(self.inner.send, buckets))
 
     def metrics(self) -> dict[str, float]:
         return self.encoder.stats.as_metrics()
@@ -305,21 +310,7 @@ class DeltaMember:
         self.base = _Base()
 
     def send(self, buckets: Iterable[WeightBucket]) -> Any:
-        version: list[int] = []
-
-        def stream() -> Iterator[WeightBucket]:
-            for b in self.encoder.encode(buckets):
-                version[:1] = [b.version]
-                yield b
-
-        try:
-            out = self.inner.send(stream())
-        except BaseException:
-            self.encoder.base.drop()
-            raise
-        if version:
-            self.encoder.commit(version[0])
-        return out
+        return self.encoder.send(self.inner.send, buckets)
 
     def receive(self) -> list[WeightBucket]:
         # A group member receives into buffers of its own.

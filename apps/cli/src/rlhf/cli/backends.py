@@ -16,7 +16,7 @@ import os
 import pathlib
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlhf.cli.capacity import LearnerLoad, Memory, deepspeed_memory, molt_memory
+from rlhf.cli.capacity import DTYPE_BYTES, LearnerLoad, Memory, deepspeed_memory, molt_memory
 
 if TYPE_CHECKING:
     from rlhf.cli.sections import RoleConfig
@@ -94,8 +94,6 @@ class DeepSpeed:
         return False  # DeepCompile and the fused log-prob chunks compile on CUDA only
 
     def compute_bytes(self, role: RoleConfig) -> int:
-        from rlhf.cli.model_shape import DTYPE_BYTES
-
         return 2 if role.deepspeed.bf16 else DTYPE_BYTES.get(role.model.dtype, 4)
 
     def offloadable(self, role: RoleConfig) -> bool:
@@ -146,8 +144,6 @@ class Molt:
         return role.fsdp.compile
 
     def compute_bytes(self, role: RoleConfig) -> int:
-        from rlhf.cli.model_shape import DTYPE_BYTES
-
         return DTYPE_BYTES[role.fsdp.param_dtype]
 
     def offloadable(self, role: RoleConfig) -> bool:

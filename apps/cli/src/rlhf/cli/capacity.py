@@ -53,6 +53,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+"""Bytes per element of the dtypes a config's ``torch_dtype`` / ``dtype`` names."""
+
 GIB = 2**30
 
 ACTIVATION_LAYER_SCALE = 0.83

@@ -24,7 +24,9 @@ from rlhf.cli.sections import (
     RolloutConfig,
     TrainConfig,
     VllmConfig,
+    is_reward_file,
 )
+from rlhf.cli.validation import problems
 
 
 class ConfigError(ValueError):
@@ -36,13 +38,6 @@ FLAG_ALIASES: dict[str, str] = {
 }
 """Other spellings of a flag (and of its ``--config`` key) → the field it sets; an alias stays
 in its field's section."""
-
-
-def is_reward_file(remote_url: str) -> bool:
-    """``--reward.remote_url`` names a Python reward file (OpenRLHF's use of the flag), not
-    servers: it ends in ``.py`` and is not an http(s) URL."""
-    text = remote_url.strip()
-    return text.endswith(".py") and not text.startswith(("http://", "https://"))
 
 
 def canonical_flag(dotted: str) -> str:
@@ -125,8 +120,6 @@ class RLConfig:
     def validate(self) -> RLConfig:
         """Raise `ConfigError` listing every invalid value and combination, each naming its
         flags (checked before anything starts)."""
-        from rlhf.cli.validation import problems
-
         raise_problems(problems(self), where="the configuration")
         return self
 

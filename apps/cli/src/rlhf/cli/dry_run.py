@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 
 from rlhf.cli.backends import backend_of
 from rlhf.cli.capacity import (
+    DTYPE_BYTES,
     GIB,
     EngineLoad,
     LearnerLoad,
     Memory,
 )
 from rlhf.cli.config import RLConfig
-from rlhf.cli.model_shape import DTYPE_BYTES, ModelShape
+from rlhf.cli.model_shape import ModelShape
 from rlhf.cli.sections import PlanConfig, RoleConfig
 
 _LORA_SHAPES: dict[str, Callable[[ModelShape], tuple[int, int]]] = {

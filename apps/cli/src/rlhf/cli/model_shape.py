@@ -13,10 +13,8 @@ import json
 import pathlib
 from dataclasses import dataclass
 
+from rlhf.cli.capacity import DTYPE_BYTES
 from rlhf.cli.config import ConfigError
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-"""Bytes per element of the dtypes a config's ``torch_dtype`` / ``dtype`` names."""
 
 _BIASED_QKV = ("qwen2",)
 """Families whose q/k/v projections carry a bias although ``attention_bias`` is absent."""

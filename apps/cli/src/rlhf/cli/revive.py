@@ -30,15 +30,29 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlhf.cli.metrics import MetricsSink
 from rlhf.cli.sync import GroupTransport, SenderTransport
 from rlhf.weights import transport as transport_spec
 
 if TYPE_CHECKING:
-    from rlhf.cli.rl import RLDriver
+    from rlhf.cli.config import RLConfig
+    from rlhf.cli.roles import Roles
+    from rlhf.cli.sync import Transport
     from rlhf.rollout import RayEngine
+
+
+class RevivableRun(Protocol):
+    """What revival needs of a run's driver (`rlhf.cli.rl.RLDriver` is one): its config, its
+    roles (engines, pool, how engines start), its weight transport, its metrics sink (wrapped
+    to count restarts) and its ``echo`` for the ``[fault]`` line."""
+
+    config: RLConfig
+    roles: Roles
+    transport: Transport
+    log: MetricsSink
+    echo: Callable[[str], None]
 
 
 def why_not_revivable(
@@ -69,7 +83,7 @@ class EngineReviver:
         restarts: Engines restarted so far (``rollout/engine_restarts``).
     """
 
-    def __init__(self, driver: RLDriver) -> None:
+    def __init__(self, driver: RevivableRun) -> None:
         self.driver = driver
         self.restarts = 0
         self._lock = threading.Lock()
@@ -121,7 +135,7 @@ class RestartsInSteps:
 
 
 def enable_revival(
-    driver: RLDriver, *, kind: str, gpu: bool, echo: Callable[[str], None] = print
+    driver: RevivableRun, *, kind: str, gpu: bool, echo: Callable[[str], None] = print
 ) -> None:
     """Give the run's pool the hook that revives its engines and count the revivals in the
     step rows, where the weight transport ``kind`` allows it; else say once that a dead

@@ -346,6 +346,13 @@ FAILURE_POLICIES = ("raise", "skip", "fallback")
 """``--reward.failure_policy`` values (`rlhf.agents.FailurePolicy`)."""
 
 
+def is_reward_file(remote_url: str) -> bool:
+    """``--reward.remote_url`` names a Python reward file (OpenRLHF's use of the flag), not
+    servers: it ends in ``.py`` and is not an http(s) URL."""
+    text = remote_url.strip()
+    return text.endswith(".py") and not text.startswith(("http://", "https://"))
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """Where rewards come from and what happens when one cannot be computed (flags

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import pathlib
+from typing import TYPE_CHECKING
 
-from rlhf.cli.config import RLConfig, is_reward_file
+from rlhf.cli.backends import role_problems
 from rlhf.cli.nodes import NodeSpec, NodeSpecError
 from rlhf.cli.sections import (
     FAILURE_POLICIES,
@@ -18,7 +19,11 @@ from rlhf.cli.sections import (
     VERIFY_SYNC,
     WEIGHT_TRANSPORTS,
     TrainConfig,
+    is_reward_file,
 )
+
+if TYPE_CHECKING:
+    from rlhf.cli.config import RLConfig
 
 
 def problems(config: RLConfig) -> list[str]:
@@ -357,7 +362,5 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
 
 def backend_problems(config: RLConfig) -> list[str]:
     """What keeps the actor (and critic) from building on their backends."""
-    from rlhf.cli.backends import role_problems
-
     roles = [("actor", config.actor)] + ([("critic", config.critic)] if config.uses_critic else [])
     return [problem for flag, role in roles for problem in role_problems(role, flag=flag)]

@@ -9,7 +9,7 @@ One step, in the order the data flows::
             ─► weight sync (actor ─► every engine over the placement's
                             transport, verified)                              rlhf.cli.sync
 
-`rlhf.cli.schedule` decides when each part runs (synchronous, or asynchronous with a bounded
+`rlhf.rollout.schedule` decides when each part runs (synchronous, or asynchronous with a bounded
 queue of rollouts), `rlhf.cli.roles` starts the processes where `rlhf.cli.placement` puts them,
 and `rlhf.cli.hybrid` moves memory between engines and learners under ``--train.colocate_all``.
 Every step appends a line to ``run_dir/metrics.jsonl``.
@@ -52,7 +52,6 @@ from rlhf.cli.sampling import (
     staleness,
     to_samples,
 )
-from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.stopping import Stopped, as_stopped
 from rlhf.cli.sync import (
@@ -66,6 +65,7 @@ from rlhf.cli.sync import (
 from rlhf.cli.trainer_state import save_hf_at
 from rlhf.learner import MicroBatching, make_experience, ppo_update
 from rlhf.rollout import EngineDiedError
+from rlhf.rollout.schedule import Rollout, run_asynchronous, run_synchronous
 
 
 def steps_of_episodes(config: RLConfig, *, echo: Callable[[str], None] = print) -> RLConfig:
@@ -235,7 +235,7 @@ def run_rl(
 
 @dataclasses.dataclass
 class RLDriver:
-    """One run's state; the `rlhf.cli.schedule.StepRunner` the schedules drive."""
+    """One run's state; the `rlhf.rollout.schedule.StepRunner` the schedules drive."""
 
     config: RLConfig
     roles: Roles

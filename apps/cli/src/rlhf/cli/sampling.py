@@ -31,9 +31,9 @@ import torch
 from rlhf.algos import AlgoConfig, dynamic_filter
 from rlhf.cli.config import ConfigError, RunError
 from rlhf.cli.data import Prompt, PromptSampler
-from rlhf.cli.schedule import Rollout
 from rlhf.cli.sections import EvalConfig, RewardConfig, RolloutConfig, TrainConfig
 from rlhf.learner import Samples
+from rlhf.rollout.schedule import Rollout
 
 
 def reward_source(reward: RewardConfig) -> Any:

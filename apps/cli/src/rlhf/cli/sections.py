@@ -276,7 +276,7 @@ class TrainConfig(LoggingConfig):
             turn's last action token, so discounted returns and GAE credit each turn with the
             rewards that follow it, by γ and λ). ``per_turn`` needs an estimator without a
             group baseline (``gae`` or ``reinforce``): a baseline compares one number per sample.
-        async_enable: Sample later batches while the current one trains (`rlhf.cli.schedule`):
+        async_enable: Sample later batches while the current one trains (`rlhf.rollout.schedule`):
             batch ``j`` is sampled with the weights of step ``j - async_queue_size``.
         async_queue_size: Most batches sampled ahead of training (the staleness bound).
         partial_rollout_enable: In async mode, sync without waiting for batches in flight:

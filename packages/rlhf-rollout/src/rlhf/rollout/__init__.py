@@ -4,7 +4,9 @@
 and processed log-probs out; pause/resume, sleep/wake, verified weight updates); `EnginePool`
 dispatches over several by load; `spawn_engines` starts engines as Ray actors behind
 `RayEngine` handles with the same methods. Weights arrive in the `rlhf.weights` wire format
-over its transports. It may import `rlhf.agents` and `rlhf.weights` only.
+over its transports. `run_synchronous` / `run_asynchronous` decide when a loop's batches
+are sampled, trained on and synced (`rlhf.rollout.schedule`: versions, staleness, a bounded
+queue of `Rollout` s). It may import `rlhf.agents` and `rlhf.weights` only.
 """
 
 from rlhf.rollout.config import EngineConfig, EngineOptions
@@ -20,6 +22,7 @@ from rlhf.rollout.ray_engine import (
     spawn_engines,
 )
 from rlhf.rollout.readback import VERIFY_MODES, LiveDigest, spot_check_names
+from rlhf.rollout.schedule import Rollout, StepRunner, run_asynchronous, run_synchronous
 from rlhf.rollout.weight_checks import read_checkpoint_params
 
 __all__ = [
@@ -34,11 +37,15 @@ __all__ = [
     "LiveDigest",
     "RayEngine",
     "Revive",
+    "Rollout",
+    "StepRunner",
     "TransportSync",
     "VLLMEngine",
     "check_logprobs",
     "processed_logprobs",
     "read_checkpoint_params",
+    "run_asynchronous",
+    "run_synchronous",
     "spawn_engines",
     "spot_check_names",
 ]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rlhf.agents import Trajectory
-from rlhf.cli.schedule import Rollout, run_asynchronous, run_synchronous
+from rlhf.rollout.schedule import Rollout, run_asynchronous, run_synchronous
 
 
 class Recorder:

@@ -15,8 +15,10 @@ from rlhf.rollout import RayEngine
 from rlhf.rollout.engine import VLLMEngine
 from rlhf.rollout.ray_engine import EngineActor
 
-EXTRAS = {"wait", "threads"}
-"""Parameters a wrapper adds for its own work (not waiting for the ranks, compute threads)."""
+EXTRAS = {"wait", "threads", "_ray_trace_ctx"}
+"""Parameters a wrapper adds for its own work (not waiting for the ranks, compute threads), and
+the tracing context Ray writes into an actor class's signatures once an actor of it was created
+(earlier tests in the same process do)."""
 
 
 def _methods(cls: type) -> dict[str, inspect.Signature]:

@@ -1,4 +1,5 @@
-"""The capacity planner (`rlhf.cli.capacity`, ``rlhf train … --dry_run``) against measured peaks.
+"""The capacity planner (``rlhf train … --dry_run``: `rlhf.learner.capacity`, `rlhf.molt.capacity`,
+`rlhf.rollout.capacity`) against measured peaks.
 
 Each case builds one learner rank (rank 0 of 1) in a fresh process on a random Qwen2-shaped
 model of ``--size`` (bench_learner.SCALES), runs two PPO actor steps (or, for ``reference``,
@@ -151,7 +152,7 @@ def _role(case: Case, model_dir: pathlib.Path) -> Any:
 def plan(case: Case, model_dir: pathlib.Path) -> Any:
     """The planner's `Memory` of one rank of ``case`` (device parts, host)."""
     from rlhf.cli.dry_run import learner_memory
-    from rlhf.cli.model_shape import ModelShape
+    from rlhf.learner.model_shape import ModelShape
 
     shape = ModelShape.read(model_dir, flag="--model")
     return learner_memory(
@@ -162,7 +163,7 @@ def plan(case: Case, model_dir: pathlib.Path) -> Any:
 
 def estimate(case: Case, model_dir: pathlib.Path) -> float:
     """The planner's allocator peak for ``case``, in GiB."""
-    from rlhf.cli.capacity import GIB
+    from rlhf.learner.capacity import GIB
 
     return plan(case, model_dir).allocated / GIB
 
@@ -257,8 +258,8 @@ def engine_child(model_dir: pathlib.Path) -> None:
 
 def run_engine(model_dir: pathlib.Path, size: str) -> dict[str, Any]:
     """vLLM's KV-cache tokens against the planner's, for ``size``."""
-    from rlhf.cli.capacity import EngineLoad
-    from rlhf.cli.model_shape import ModelShape
+    from rlhf.learner.model_shape import ModelShape
+    from rlhf.rollout.capacity import EngineLoad
 
     child = subprocess.run(
         [sys.executable, __file__, "--engine-child", "--model-dir", str(model_dir)],
@@ -376,7 +377,7 @@ def plan_folder(store: pathlib.Path, layers: int) -> pathlib.Path:
 def largest_layers(case: Case, store: pathlib.Path, *, gpu: int, host: int) -> dict[str, Any]:
     """The most `WIDE` layers whose plan of ``case`` fits ``gpu`` and ``HOST_SHARE`` of
     ``host`` bytes, with the plan of that model and of one layer more."""
-    from rlhf.cli.model_shape import ModelShape
+    from rlhf.learner.model_shape import ModelShape
 
     best = None
     for layers in range(1, MAX_LAYERS + 1):

@@ -16,7 +16,7 @@ import os
 import pathlib
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlhf.cli.capacity import DTYPE_BYTES, LearnerLoad, Memory, deepspeed_memory, molt_memory
+from rlhf.learner.capacity import DTYPE_BYTES, LearnerLoad, Memory, deepspeed_memory
 
 if TYPE_CHECKING:
     from rlhf.cli.sections import RoleConfig
@@ -61,7 +61,7 @@ class LearnerBackend(Protocol):
         ...
 
     def memory(self, role: RoleConfig, load: LearnerLoad) -> Memory:
-        """One rank's memory for the planner (`rlhf.cli.capacity`)."""
+        """One rank's memory for the planner (`rlhf.learner.capacity`)."""
         ...
 
     def problems(self, role: RoleConfig, *, flag: str) -> list[str]:
@@ -158,6 +158,8 @@ class Molt:
         return f"FSDP2 (molt, {role.fsdp.param_dtype}{mesh}{compiled})"
 
     def memory(self, role: RoleConfig, load: LearnerLoad) -> Memory:
+        from rlhf.molt.capacity import molt_memory
+
         return molt_memory(
             load,
             offload=role.fsdp.offload,

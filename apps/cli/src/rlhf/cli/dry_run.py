@@ -1,6 +1,7 @@
 """``rlhf train … --dry_run``: the capacity plan. Reads only the models' ``config.json`` (no
 weights, no GPU, no Ray), lays the roles out on GPUs as the run would, and prints each GPU's
-estimated memory by role and what holds it (`rlhf.cli.capacity`), and whether it fits.
+estimated memory by role and what holds it (the memory models of `rlhf.learner.capacity`,
+`rlhf.molt.capacity` and `rlhf.rollout.capacity`), and whether it fits.
 
 Placement follows the run's: every learner rank and every engine GPU on a GPU of its own,
 the reference beside actor rank 0 with ``--train.colocate_actor_ref`` and the reward model
@@ -18,16 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlhf.cli.backends import backend_of
-from rlhf.cli.capacity import (
-    DTYPE_BYTES,
-    GIB,
-    EngineLoad,
-    LearnerLoad,
-    Memory,
-)
 from rlhf.cli.config import RLConfig
-from rlhf.cli.model_shape import ModelShape
 from rlhf.cli.sections import PlanConfig, RoleConfig
+from rlhf.learner.capacity import DTYPE_BYTES, GIB, LearnerLoad, Memory
+from rlhf.learner.model_shape import ModelShape
+from rlhf.rollout.capacity import EngineLoad
 
 _LORA_SHAPES: dict[str, Callable[[ModelShape], tuple[int, int]]] = {
     "q_proj": lambda s: (s.hidden, s.heads * s.head_dim),
@@ -347,5 +343,5 @@ def show(fits: bool, lines: list[str]) -> int:
     does not)."""
     for line in lines:
         print(f"[capacity] {line}")
-    print(f"[capacity] {'fits' if fits else 'DOES NOT FIT'} (estimates; see rlhf.cli.capacity)")
+    print(f"[capacity] {'fits' if fits else 'DOES NOT FIT'} (estimates; see rlhf.learner.capacity)")
     return 0 if fits else 1

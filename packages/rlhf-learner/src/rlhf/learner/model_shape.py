@@ -1,5 +1,6 @@
-"""A decoder model's shape from its ``config.json`` alone (no weights, no torch): the numbers
-the capacity planner (`rlhf.cli.capacity`) multiplies.
+"""A decoder model's shape from its ``config.json`` alone (no weights are read): the numbers
+the capacity planners (`rlhf.learner.capacity`, `rlhf.molt.capacity`,
+`rlhf.rollout.capacity`) multiply.
 
 Covers the dense decoder families transformers writes with the usual field names (Llama,
 Qwen2/Qwen3, Mistral, Gemma-style configs: ``hidden_size``, ``intermediate_size``,
@@ -13,8 +14,8 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from rlhf.cli.capacity import DTYPE_BYTES
-from rlhf.cli.config import ConfigError
+from rlhf.learner.capacity import DTYPE_BYTES
+from rlhf.learner.models import ModelLoadError
 
 _BIASED_QKV = ("qwen2",)
 """Families whose q/k/v projections carry a bias although ``attention_bias`` is absent."""
@@ -61,23 +62,23 @@ class ModelShape:
 
     @classmethod
     def read(cls, model_dir: str | pathlib.Path, *, flag: str) -> ModelShape:
-        """The shape in ``model_dir/config.json``; `ConfigError` naming ``flag`` when the file
+        """The shape in ``model_dir/config.json``; `ModelLoadError` naming ``flag`` when the file
         is missing, unreadable, lacks a field or describes a mixture-of-experts model."""
         path = pathlib.Path(model_dir) / "config.json"
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ConfigError(
+            raise ModelLoadError(
                 f"{flag} {str(model_dir)!r}: no config.json there (the capacity plan reads only "
                 "the model's config.json; the weights need not be present)"
             ) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(
+            raise ModelLoadError(
                 f"{flag}: cannot read {path}: {exc} (cut short or not JSON? restore the file "
                 "from the model's source)"
             ) from None
         if not isinstance(raw, dict):
-            raise ConfigError(
+            raise ModelLoadError(
                 f"{flag}: {path} holds a JSON {type(raw).__name__}, not the object of a "
                 "transformers model config; restore the file from the model's source"
             )
@@ -89,7 +90,7 @@ class ModelShape:
         """The shape of a parsed ``config.json``."""
         experts = [key for key in _EXPERT_FIELDS if raw.get(key)]
         if experts:
-            raise ConfigError(
+            raise ModelLoadError(
                 f"{where}: a mixture-of-experts model ({experts[0]}={raw[experts[0]]}); the "
                 "capacity plan covers dense models only"
             )
@@ -104,7 +105,7 @@ class ModelShape:
         ]
         if bad:
             listed = ", ".join(f"{key!r} ({raw.get(key)!r})" for key in bad)
-            raise ConfigError(f"{where}: a decoder config needs positive integers in {listed}")
+            raise ModelLoadError(f"{where}: a decoder config needs positive integers in {listed}")
         values = {key: raw[key] for key in required + optional if raw.get(key) is not None}
         ints = {key: int(value) for key, value in values.items() if isinstance(value, int)}
         hidden, heads = ints["hidden_size"], ints["num_attention_heads"]

@@ -1,5 +1,6 @@
-"""Device memory of one learner rank or one vLLM engine GPU, from the model's shape and the
-run's options alone: the arithmetic behind ``rlhf train … --dry_run`` (`rlhf.cli.dry_run`).
+"""Device memory of one learner rank, from the model's shape (`rlhf.learner.model_shape`) and
+the role's options alone: the arithmetic a planner multiplies (``rlhf train … --dry_run``).
+The molt backend's model is `rlhf.molt.capacity`, a vLLM engine's `rlhf.rollout.capacity`.
 
 Model states are counted exactly (bytes per parameter of each copy a backend keeps);
 activations follow the transformer's structure with constants fitted to peaks measured on an
@@ -86,13 +87,6 @@ gradient partition (4 bytes per trained parameter) and one float32 temporary of 
 (4): ``8t / dp``. With few activations (gradient checkpointing, one row) this, not the
 backward, is the rank's peak: 24 bytes per parameter at 1.5B on one rank (34.57 GiB measured
 alike at one row, two and four checkpointed rows)."""
-
-ADAM_STEP_BYTES_PER_PARAM = 4
-"""Structural, checked on an H100: torch's AdamW on the device (its multi-tensor path) makes a
-float32 square root of the second moment of every parameter at once, so a molt ``offload
-none`` step holds shards, moments and gradients plus ``4t / dp``: 20 bytes per parameter. A
-4.35B model that fitted the backward by 8 GiB ran out of memory there (bench_capacity
-``--largest``)."""
 
 ADAMW_HOST_STEP_BYTES_PER_PARAM = 8
 """Structural: torch's AdamW on host tensors (its single-tensor path) divides a square root
@@ -312,7 +306,7 @@ def deepspeed_memory(
             "gradients": gradients,
             "optimizer step": STEP_BYTES_PER_PARAM * t / dp,
         }
-    return Memory(parts=_larger(backward, step), host=host)
+    return Memory(parts=larger_peak(backward, step), host=host)
 
 
 def _deepspeed_offloaded_optimizer(load: LearnerLoad, *, zero_stage: int) -> float:
@@ -338,112 +332,7 @@ def _deepspeed_offloaded_optimizer(load: LearnerLoad, *, zero_stage: int) -> flo
     return pinned(4 * t) + sub_groups + 4 * t + 8 * t
 
 
-def _larger(backward: dict[str, float], step: dict[str, float]) -> dict[str, float]:
+def larger_peak(backward: dict[str, float], step: dict[str, float]) -> dict[str, float]:
     """The rank's peak: the backward's parts or, where it holds more, the optimizer step's
     (``step`` empty where the step cannot be the peak)."""
     return step if sum(step.values()) > sum(backward.values()) else backward
-
-
-def molt_memory(
-    load: LearnerLoad, *, offload: str, param_dtype_bytes: int, reshard_after_forward: bool
-) -> Memory:
-    """One FSDP2 rank: float32 shards (``4p / dp``), AdamW moments (``8p / dp``), float32
-    sharded gradients, and the compute-dtype copies of the gathered layers."""
-    p, t, dp = load.rank_params, load.rank_trainable, load.dp
-    shards = 4 * p / dp
-    adam = 8 * t / dp if load.trains else 0.0
-    gradients = 4 * t / dp if load.trains else 0.0
-    copies = 0.0
-    if param_dtype_bytes != 4 or dp > 1:  # the unsharded compute copies
-        held = p if not reshard_after_forward else 2 * load.layer_params / load.tp
-        copies = param_dtype_bytes * (held + load.embedding_params)
-    on_device = offload != "full"
-    host = 0.0
-    if offload == "optimizer":  # pageable masters and moments; one gradient at a time
-        host = shards + adam + (4 * load.largest_trained / dp if load.trains else 0.0)
-    elif offload == "full":  # FSDP2 pins each shard and each gradient on its own
-        host = load.pinned_per_tensor(4) + adam
-        if load.trains:
-            largest = load.largest_trained / dp
-            host += (
-                load.pinned_per_tensor(4, trained=True) + ADAMW_HOST_STEP_BYTES_PER_PARAM * largest
-            )
-    backward = {
-        "weights": (shards if on_device else 0.0) + copies,
-        "optimizer states": adam if offload == "none" else 0.0,
-        "gradients": gradients if on_device else 0.0,
-        "activations": load.activations(),
-    }
-    step: dict[str, float] = {}
-    if offload == "none" and load.trains:
-        # The step, after the activations and the gathered copies are freed.
-        step = {
-            "weights": shards,
-            "optimizer states": adam,
-            "gradients": gradients,
-            "optimizer step": ADAM_STEP_BYTES_PER_PARAM * t / dp,
-        }
-    return Memory(parts=_larger(backward, step), host=host)
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineLoad:
-    """One vLLM engine GPU.
-
-    Attributes:
-        params: Parameters of the whole model.
-        weight_bytes: Bytes per weight as served (``--vllm.dtype``).
-        kv_bytes_per_token: Key and value bytes of one token over all layers, whole model.
-        tp: Tensor-parallel degree of the engine.
-        pp: Pipeline-parallel degree.
-        kv_heads: Key/value heads (replicated when fewer than ``tp``).
-        gpu_memory_utilization: The share of the GPU the engine takes.
-        vocab: Vocabulary size (the sampler's logits).
-        max_num_seqs: Sequences scheduled at once.
-        hidden: ``h``.
-        intermediate: ``i``.
-        max_num_batched_tokens: Tokens of one scheduled step (``--vllm.max_num_batched_tokens``;
-            unset: 2048, what vLLM 0.25 chose with our engine options on an H200).
-    """
-
-    params: int
-    weight_bytes: int
-    kv_bytes_per_token: int
-    tp: int
-    pp: int
-    kv_heads: int
-    gpu_memory_utilization: float
-    vocab: int
-    max_num_seqs: int
-    hidden: int
-    intermediate: int
-    max_num_batched_tokens: int = 2048
-
-    @property
-    def weights(self) -> float:
-        """Bytes of weights on one GPU (vLLM splits the head and embedding too)."""
-        return self.weight_bytes * self.params / (self.tp * self.pp)
-
-    @property
-    def kv_per_token(self) -> float:
-        """KV bytes per token on one GPU: heads split ``tp`` ways (replicated below one
-        head per GPU), layers ``pp`` ways."""
-        split = min(self.tp, self.kv_heads)
-        return self.kv_bytes_per_token / (split * self.pp)
-
-    @property
-    def workspace(self) -> float:
-        """What vLLM's profiling run peaks at besides the weights: a full scheduled batch's
-        activations and the sampler's float32 logits."""
-        tokens = self.max_num_batched_tokens
-        act = 2 * tokens * (4 * self.hidden + 2 * self.intermediate) / self.tp
-        return act + 4 * 2 * self.max_num_seqs * self.vocab / self.tp
-
-    def kv_cache_bytes(self, gpu_bytes: float) -> float:
-        """What is left for the KV cache inside the engine's share of the GPU."""
-        share = self.gpu_memory_utilization * gpu_bytes
-        return share - self.weights - self.workspace - RUNTIME_BYTES
-
-    def kv_tokens(self, gpu_bytes: float) -> int:
-        """Tokens the KV cache holds (0 when the weights do not fit in the share)."""
-        return max(int(self.kv_cache_bytes(gpu_bytes) // self.kv_per_token), 0)

@@ -81,7 +81,7 @@ def test_truncated_and_lossy_prompts_are_counted_in_the_metrics(assets, tmp_path
 
 
 def test_pass_at_k_counts_solved_samples_not_partial_credit() -> None:
-    from rlhf.cli.sampling import pass_at
+    from rlhf.rollout.sampling import pass_at
 
     # Three prompts, four samples each, graded scores: prompt 0 solved twice, prompt 1 only
     # partial credit, prompt 2 solved once.

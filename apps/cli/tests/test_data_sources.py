@@ -484,7 +484,7 @@ def test_lossy_prompts_are_counted_or_refused(assets) -> None:
 
 
 def test_an_empty_step_says_which_cause_took_its_samples() -> None:
-    from rlhf.cli.sampling import empty_step_message
+    from rlhf.rollout.sampling import empty_step_message
 
     text = empty_step_message(
         0, dropped_groups=3, incomplete=1, lost={"env/skipped": 4.0, "reward/failed": 0.0},

@@ -1,5 +1,5 @@
 """``--train.turn_credit``: where an environment's per-turn rewards land, and what γ/λ make of
-them (the placement of `rlhf.cli.sampling.to_samples` through `rlhf.algos.compute_advantages`)."""
+them (the placement of `rlhf.learner.Samples.from_trajectories` through `rlhf.algos.compute_advantages`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from rlhf.agents import Trajectory
 from rlhf.algos import AdvantageConfig, compute_advantages
 from rlhf.cli.config import ConfigError, replace
 from rlhf.cli.presets import resolve
-from rlhf.cli.sampling import to_samples
+from rlhf.learner import Samples
 
 GAMMA, LAM = 0.9, 0.8
 # prompt (2) | turn 1: three actions | feedback (2) | turn 2: two actions
@@ -27,7 +27,7 @@ def episode(turn_rewards: tuple[float, float]) -> Trajectory:
 
 
 def advantages(turn_rewards, *, per_turn: bool, estimator: str = "reinforce") -> list[float]:
-    samples = to_samples([episode(turn_rewards)], per_turn=per_turn)
+    samples = Samples.from_trajectories([episode(turn_rewards)], per_turn=per_turn)
     mask = samples.action_mask
     out = compute_advantages(
         config=AdvantageConfig(
@@ -67,11 +67,11 @@ def test_a_reward_at_turn_two_reaches_turn_one_by_gamma_and_lambda(estimator) ->
 
 
 def test_per_turn_samples_keep_the_last_turn_as_the_reward() -> None:
-    samples = to_samples([episode((0.25, 0.5))], per_turn=True)
+    samples = Samples.from_trajectories([episode((0.25, 0.5))], per_turn=True)
     assert samples.rewards.tolist() == [0.5]
     assert samples.token_rewards is not None
     assert samples.token_rewards[0].tolist() == [0, 0, 0, 0, 0.25, 0, 0, 0, 0]
-    assert to_samples([episode((0.25, 0.5))]).token_rewards is None
+    assert Samples.from_trajectories([episode((0.25, 0.5))]).token_rewards is None
 
 
 def test_per_turn_credit_is_refused_with_a_group_baseline(tmp_path) -> None:

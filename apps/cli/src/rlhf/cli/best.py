@@ -22,7 +22,7 @@ MODES = ("max", "min")
 
 
 def metric_names(sources: Iterable[str], *, n_samples: int) -> list[str]:
-    """The evaluation metrics a run logs (`rlhf.cli.sampling.evaluate`)."""
+    """The evaluation metrics a run logs (`rlhf.rollout.sampling.evaluate`)."""
     leaves = ("pass@1", f"pass@{n_samples}", "score_mean")
     return [f"eval/{s}/{leaf}" for s in sources for leaf in leaves]
 

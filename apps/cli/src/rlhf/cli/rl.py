@@ -31,7 +31,7 @@ from ray.exceptions import RayActorError
 from rlhf.algos import make_kl_controller
 from rlhf.cli.best import BestModel, check_metric
 from rlhf.cli.cluster import start_ray, start_ray_early
-from rlhf.cli.config import RLConfig
+from rlhf.cli.config import RLConfig, RunError
 from rlhf.cli.data import (
     Prompt,
     PromptSampler,
@@ -44,14 +44,7 @@ from rlhf.cli.plan import plan
 from rlhf.cli.resume import check_resume, run_shape
 from rlhf.cli.revive import enable_revival
 from rlhf.cli.roles import Roles, start_roles
-from rlhf.cli.sampling import (
-    Executors,
-    check_user_files,
-    evaluate,
-    generate,
-    staleness,
-    to_samples,
-)
+from rlhf.cli.sampling import Executors, check_user_files, group_filter
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.stopping import Stopped, as_stopped
 from rlhf.cli.sync import (
@@ -63,8 +56,9 @@ from rlhf.cli.sync import (
     report,
 )
 from rlhf.cli.trainer_state import save_hf_at
-from rlhf.learner import MicroBatching, make_experience, ppo_update
+from rlhf.learner import MicroBatching, Samples, make_experience, ppo_update
 from rlhf.rollout import EngineDiedError
+from rlhf.rollout.sampling import EmptyStepError, evaluate, sample_step, staleness
 from rlhf.rollout.schedule import Rollout, run_asynchronous, run_synchronous
 
 
@@ -303,14 +297,20 @@ class RLDriver:
     async def generate(self, step: int) -> Rollout:
         executor = self.executors.training()
         c = self.config
-        return await generate(
-            step,
-            rollout=c.rollout,
-            algo=c.algo,
-            sampler=self.sampler,
-            executor=executor,
-            seed=self.request_seed,
-        )
+        try:
+            return await sample_step(
+                step,
+                batch_size=c.rollout.batch_size,
+                n_samples_per_prompt=c.rollout.n_samples_per_prompt,
+                prompts=self.sampler,
+                executor=executor,
+                keep_groups=group_filter(
+                    c.algo, n_samples_per_prompt=c.rollout.n_samples_per_prompt
+                ),
+                seed=self.request_seed,
+            )
+        except EmptyStepError as exc:  # the run stops: exit 1, the causes in one message
+            raise RunError(str(exc)) from None
 
     def learn(self, rollout: Rollout) -> dict[str, Any]:
         """Experience and PPO epochs of ``rollout.step`` (blocking). π_old is computed when
@@ -321,7 +321,9 @@ class RLDriver:
         c, roles, kl_coef = self.config, self.roles, self.kl_ctl.value
         tick = time.perf_counter()
         experience = make_experience(
-            to_samples(rollout.trajectories, per_turn=c.train.turn_credit == "per_turn"),
+            Samples.from_trajectories(
+                rollout.trajectories, per_turn=c.train.turn_credit == "per_turn"
+            ),
             actor=roles.actor,
             reference=roles.ref,
             critic=roles.critic,
@@ -386,8 +388,13 @@ class RLDriver:
         return bool(every and (step + 1) % every == 0) or step + 1 == self.config.train.num_steps
 
     async def evaluate(self, step: int) -> None:
+        e = self.config.eval
         result = await evaluate(
-            self.executors, self.eval_prompts, eval=self.config.eval, seed=self.request_seed
+            self.executors.single_turn(e.temperature),
+            {name: items[: e.max_prompts] for name, items in self.eval_prompts.items()},
+            n_samples=e.n_samples,
+            solved_threshold=e.solved_threshold,
+            seed=self.request_seed,
         )
         self.evaluations.append({"step": step, **result})
         self.log.write(self.evaluations[-1])

@@ -1,5 +1,6 @@
 """Sampling for ``rlhf train``: where rewards come from, which executor turns prompts into
-trajectories, one step's generation with dynamic filtering, and evaluation.
+trajectories, and the dynamic-filtering predicate; a step's generation and the evaluation are
+`rlhf.rollout.sampling`'s.
 
 - Reward sources: ``--reward.reward_func`` (``builtin:<name>`` or a Python file) or
   ``--reward.remote_url`` (HTTP servers, OpenRLHF's wire format), under ``--reward.timeout_s``
@@ -10,30 +11,25 @@ trajectories, one step's generation with dynamic filtering, and evaluation.
   ``--train.agent_func_path`` file: an ``Environment`` class (token-in, token-out multi-turn
   episodes) or an ``agent`` function (an OpenAI-client agent on 127.0.0.1). Evaluations are
   single-turn, scored by the reward function.
-- `generate`: a step's prompts, sampled; with ``--algo.dynamic_filtering_enable`` prompt groups
-  whose mean score is outside the range are dropped and replaced from further prompts (three
-  extra draws at most).
+- `group_filter`: with ``--algo.dynamic_filtering_enable``, prompt groups whose mean score is
+  outside the range are dropped (and replaced from further prompts by
+  `rlhf.rollout.sampling.sample_step`).
 """
 
 from __future__ import annotations
 
-import array
 import json
 import os
 import pathlib
-import time
-import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from rlhf.algos import AlgoConfig, dynamic_filter
-from rlhf.cli.config import ConfigError, RunError
-from rlhf.cli.data import Prompt, PromptSampler
-from rlhf.cli.sections import EvalConfig, RewardConfig, RolloutConfig, TrainConfig
-from rlhf.learner import Samples
-from rlhf.rollout.schedule import Rollout
+from rlhf.cli.config import ConfigError
+from rlhf.cli.sections import RewardConfig, RolloutConfig, TrainConfig
+from rlhf.rollout.sampling import GroupFilter
 
 
 def reward_source(reward: RewardConfig) -> Any:
@@ -275,211 +271,20 @@ class Executors:
         return OpenAIAgentExecutor(agent=module.agent, source=f"agent in {path}", **common)
 
 
-TRAINING, EVALUATION = 0, 1
-"""The two streams of request seeds under one run seed (`generate`, `evaluate`)."""
+def group_filter(algo: AlgoConfig, *, n_samples_per_prompt: int) -> GroupFilter | None:
+    """``--algo.dynamic_filtering_enable``: the `rlhf.rollout.sampling.GroupFilter` that keeps
+    the prompt groups whose mean score is inside ``--algo.dynamic_filtering_range``
+    (`rlhf.algos.dynamic_filter`); None when off."""
+    if not algo.dynamic_filtering_enable:
+        return None
 
-
-def empty_step_message(
-    step: int, *, dropped_groups: int, incomplete: int, lost: Mapping[str, float], failure: str
-) -> str:
-    """Why step ``step`` (0-based) has no sample left to train on, cause by cause, each with
-    the flag that decides it; ``failure`` is the first failure a policy absorbed."""
-    causes = []
-    if lost.get("env/skipped"):
-        causes.append(
-            f"{lost['env/skipped']:.0f} episodes failed and were left out by "
-            "--train.agent_failure_policy (skip; or fallback, which has nothing to keep when an "
-            "episode fails before the policy's first action, e.g. in reset())"
+    def keep(scores: Sequence[Sequence[float]]) -> list[bool]:
+        flat = torch.tensor([s for group in scores for s in group])
+        verdict = dynamic_filter(
+            flat,
+            n_samples_per_prompt=n_samples_per_prompt,
+            score_range=algo.dynamic_filtering_range,
         )
-    if lost.get("reward/failed"):
-        causes.append(
-            f"{lost['reward/failed']:.0f} samples' rewards failed and were skipped "
-            "(--reward.failure_policy skip; fallback gives them --reward.fallback_value)"
-        )
-    if incomplete:
-        causes.append(f"{incomplete} prompt groups lost samples and were dropped whole")
-    if dropped_groups:
-        causes.append(
-            f"dynamic filtering dropped {dropped_groups} prompt groups whose mean score was "
-            "outside --algo.dynamic_filtering_range"
-        )
-    why = "; ".join(causes) or "the executor returned no sample"
-    first = f". The first failure: {failure}" if failure else ""
-    return f"step {step + 1}: no sample is left to train on: {why}{first}"
+        return verdict.keep_groups.tolist()
 
-
-def complete_groups(trajectories: Sequence[Any], n: int) -> list[list[Any]]:
-    """Trajectories grouped by prompt, keeping only groups with all ``n`` samples (a reward's
-    skip policy can drop samples)."""
-    groups: dict[int, list[Any]] = {}
-    for tr in trajectories:
-        groups.setdefault(tr.prompt_index, []).append(tr)
-    return [g for _, g in sorted(groups.items()) if len(g) == n]
-
-
-async def generate(
-    step: int,
-    *,
-    rollout: RolloutConfig,
-    algo: AlgoConfig,
-    sampler: PromptSampler,
-    executor: Any,
-    seed: int | None = None,
-) -> Rollout:
-    """Draw the prompts of ``step`` and sample them (with dynamic filtering's replacement
-    draws); the engines serve whatever weights they hold. ``seed`` (the run's, when requests
-    are seeded): draw ``a`` of the step seeds its requests from ``request_seed(seed,
-    TRAINING, step, a)``."""
-    from rlhf.agents import request_seed
-
-    n = rollout.n_samples_per_prompt
-    tick = time.perf_counter()
-    trajectories: list[Any] = []
-    gen_metrics: Mapping[str, float] = {}
-    dropped_groups = incomplete = 0
-    lost: dict[str, float] = {}
-    failure = ""
-    digest = 0
-    for attempt in range(4 if algo.dynamic_filtering_enable else 1):
-        need = rollout.batch_size - len(trajectories) // n
-        if need <= 0:
-            break
-        prompts = sampler.next(need)
-        digest = zlib.crc32("\x00".join(p.text for p in prompts).encode(), digest)
-        result = await executor.run(
-            prompts=[p.text for p in prompts],
-            labels=[p.label for p in prompts],
-            n_samples_per_prompt=n,
-            seed=None if seed is None else request_seed(seed, TRAINING, step, attempt),
-        )
-        gen_metrics = result.metrics if attempt == 0 else gen_metrics
-        for key in ("env/skipped", "reward/failed"):
-            lost[key] = lost.get(key, 0.0) + result.metrics.get(key, 0.0)
-        failure = failure or result.failure
-        groups = complete_groups(result.trajectories, n)
-        incomplete += len({t.prompt_index for t in result.trajectories}) - len(groups)
-        if algo.dynamic_filtering_enable and groups:
-            scores = torch.tensor([float(tr.score) for g in groups for tr in g])
-            keep = dynamic_filter(
-                scores, n_samples_per_prompt=n, score_range=algo.dynamic_filtering_range
-            ).keep_groups.tolist()
-            dropped_groups += len(groups) - sum(keep)
-            groups = [g for g, k in zip(groups, keep, strict=True) if k]
-        trajectories += [tr for g in groups for tr in g]
-    trajectories = trajectories[: rollout.batch_size * n]
-    if not trajectories:
-        raise RunError(
-            empty_step_message(
-                step, dropped_groups=dropped_groups, incomplete=incomplete, lost=lost,
-                failure=failure,
-            )
-        )  # fmt: skip
-    metrics: dict[str, Any] = {
-        "rollout/dropped_groups": float(dropped_groups),
-        "data/prompts_crc32": digest,
-        "rollout/samples_crc32": samples_digest(trajectories),
-        **{
-            k: float(v)
-            for k, v in gen_metrics.items()
-            if k.startswith(("rollout/truncated", "rollout/prompts_truncated", "reward/", "env/"))
-        },
-        "time/generation_s": time.perf_counter() - tick,
-    }
-    return Rollout(
-        step=step, trajectories=trajectories, metrics=metrics, sampler_state=sampler.state_dict()
-    )
-
-
-def samples_digest(trajectories: Sequence[Any]) -> int:
-    """CRC-32 of the trajectories' token ids, in batch order, each sample preceded by its
-    length: equal digests, equal samples. (Packed 64-bit integers: a fifth of the time of
-    their decimal text, 10 ms per 0.5M tokens on this machine; it runs on every step.)"""
-    digest = 0
-    for tr in trajectories:
-        digest = zlib.crc32(array.array("q", (len(tr.token_ids), *tr.token_ids)).tobytes(), digest)
-    return digest
-
-
-def to_samples(trajectories: Sequence[Any], *, per_turn: bool = False) -> Samples:
-    """`rlhf.agents.Trajectory` objects as the learner's `Samples`.
-
-    ``per_turn`` (``--train.turn_credit per_turn``): a trajectory that knows its turns keeps
-    its last turn's reward as the sample's reward (placed on its last action token) and puts
-    each earlier turn's reward on that turn's last action token (``Samples.token_rewards``);
-    one without turns keeps its whole reward."""
-    rewards = [float(tr.reward) for tr in trajectories]
-    token_rewards = None
-    if per_turn:
-        token_rewards = []
-        for k, tr in enumerate(trajectories):
-            row = [0.0] * len(tr.token_ids)
-            if tr.turn_ends:
-                for end, r in zip(tr.turn_ends[:-1], tr.turn_rewards[:-1], strict=True):
-                    row[end] += float(r)
-                rewards[k] = float(tr.reward) - sum(float(r) for r in tr.turn_rewards[:-1])
-            token_rewards.append(row)
-    return Samples.collate(
-        token_ids=[tr.token_ids for tr in trajectories],
-        action_mask=[tr.action_mask for tr in trajectories],
-        rollout_logprobs=[tr.rollout_logprobs for tr in trajectories],
-        rewards=rewards,
-        truncated=[bool(tr.truncated) for tr in trajectories],
-        token_rewards=token_rewards,
-    )
-
-
-def staleness(step: int, trajectories: Sequence[Any]) -> dict[str, float]:
-    """How many updates behind the trained policy (version ``step``) each sample's weights
-    were: mean and max over the samples whose engine reported a version."""
-    behind = [step - t.weight_version for t in trajectories if t.weight_version is not None]
-    if not behind:
-        return {}
-    return {
-        "rollout/staleness_mean": sum(behind) / len(behind),
-        "rollout/staleness_max": float(max(behind)),
-    }
-
-
-async def evaluate(
-    executors: Executors,
-    prompts: Mapping[str, Sequence[Prompt]],
-    *,
-    eval: EvalConfig,
-    seed: int | None = None,
-) -> dict[str, float]:
-    """Per evaluation source, single-turn at ``eval.temperature``: `pass_at` of its prompts'
-    ``eval.n_samples`` scores. ``seed`` (the run's, when requests are seeded): source ``i``
-    seeds its requests from ``request_seed(seed, EVALUATION, i)`` at every evaluation, so
-    evaluations differ only by the weights."""
-    from rlhf.agents import request_seed
-
-    out: dict[str, float] = {}
-    k = eval.n_samples
-    for i, (name, items) in enumerate(prompts.items()):
-        items = items[: eval.max_prompts]
-        result = await executors.single_turn(eval.temperature).run(
-            prompts=[p.text for p in items],
-            labels=[p.label for p in items],
-            n_samples_per_prompt=k,
-            seed=None if seed is None else request_seed(seed, EVALUATION, i),
-        )
-        scores: dict[int, list[float]] = {}
-        for t in result.trajectories:
-            scores.setdefault(t.prompt_index, []).append(float(t.score))
-        per_prompt = [scores.get(i, [0.0]) for i in range(len(items))]
-        for metric, value in pass_at(per_prompt, k=k, threshold=eval.solved_threshold).items():
-            out[f"eval/{name}/{metric}"] = value
-    return out
-
-
-def pass_at(scores: Sequence[Sequence[float]], *, k: int, threshold: float) -> dict[str, float]:
-    """Evaluation metrics of ``scores[prompt][sample]`` (``k`` samples each): ``pass@1`` (the
-    fraction of a prompt's samples scoring at least ``threshold``, averaged over prompts),
-    ``pass@k`` (the fraction of prompts with such a sample) and ``score_mean``."""
-    n = max(len(scores), 1)
-    solved = [[s >= threshold for s in row] for row in scores]
-    return {
-        "pass@1": sum(sum(row) / len(row) for row in solved if row) / n,
-        f"pass@{k}": sum(any(row) for row in solved) / n,
-        "score_mean": sum(sum(row) / len(row) for row in scores if row) / n,
-    }
+    return keep

@@ -28,7 +28,7 @@ from rlhf.agents.rewards import (
     parse_reward_output,
 )
 from rlhf.agents.seeds import group_seed, nth_sample, request_seed, seeded
-from rlhf.agents.single_turn import ExecutorResult, SingleTurnExecutor
+from rlhf.agents.single_turn import Executor, ExecutorResult, SingleTurnExecutor
 from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
 from rlhf.agents.types import (
     FinishReason,
@@ -45,6 +45,7 @@ __all__ = [
     "Environment",
     "EnvironmentFactory",
     "EnvironmentStepError",
+    "Executor",
     "ExecutorResult",
     "FailurePolicy",
     "FinishReason",

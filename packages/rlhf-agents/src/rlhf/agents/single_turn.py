@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.groups import sample_group
@@ -29,6 +29,24 @@ class ExecutorResult:
     trajectories: list[Trajectory]
     metrics: dict[str, float] = field(default_factory=dict)
     failure: str = ""
+
+
+class Executor(Protocol):
+    """What turns a batch of prompts into scored trajectories: `SingleTurnExecutor`,
+    `MultiTurnExecutor`, `OpenAIAgentExecutor` and the OpenRLHF agent runner alike."""
+
+    async def run(
+        self,
+        *,
+        prompts: Sequence[str],
+        labels: Sequence[Any],
+        n_samples_per_prompt: int = 1,
+        prompt_indices: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> ExecutorResult:
+        """``n_samples_per_prompt`` samples of each prompt (``prompt_indices`` name the
+        prompts in the trajectories; default their positions), requests seeded from ``seed``."""
+        ...
 
 
 def batch_indices(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -22,6 +23,32 @@ from rlhf.learner.batch import Batch, collate
 def masked_mean(values: Tensor, mask: Tensor) -> float:
     """Mean of (B, L) ``values`` over the positions where ``mask`` is 1."""
     return float((values * mask).sum() / mask.sum().clamp(min=1))
+
+
+class TrajectoryLike(Protocol):
+    """What `Samples.from_trajectories` reads of a sample (``rlhf.agents.Trajectory`` has it;
+    the learner does not import the agents package)."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def action_mask(self) -> Sequence[float]: ...
+
+    @property
+    def rollout_logprobs(self) -> Sequence[float]: ...
+
+    @property
+    def reward(self) -> float: ...
+
+    @property
+    def truncated(self) -> bool: ...
+
+    @property
+    def turn_rewards(self) -> Sequence[float]: ...
+
+    @property
+    def turn_ends(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
@@ -75,6 +102,37 @@ class Samples:
             rewards=torch.tensor([float(r) for r in rewards]),
             truncated=torch.tensor([bool(t) for t in truncated]),
             token_rewards=batch["token_rewards"] if token_rewards is not None else None,
+        )
+
+    @classmethod
+    def from_trajectories(
+        cls, trajectories: Sequence[TrajectoryLike], *, per_turn: bool = False
+    ) -> Samples:
+        """Trajectories (``rlhf.agents.Trajectory``) collated.
+
+        ``per_turn`` (per-turn credit): a trajectory that knows its turns keeps its last
+        turn's reward as the sample's reward (placed on its last action token) and puts each
+        earlier turn's reward on that turn's last action token (``token_rewards``); one
+        without turns keeps its whole reward."""
+        rewards = [float(tr.reward) for tr in trajectories]
+        token_rewards = None
+        if per_turn:
+            token_rewards = []
+            for k, tr in enumerate(trajectories):
+                row = [0.0] * len(tr.token_ids)
+                if tr.turn_ends:
+                    earlier = tr.turn_rewards[:-1]
+                    for end, r in zip(tr.turn_ends[:-1], earlier, strict=True):
+                        row[end] += float(r)
+                    rewards[k] = float(tr.reward) - sum(float(r) for r in earlier)
+                token_rewards.append(row)
+        return cls.collate(
+            token_ids=[tr.token_ids for tr in trajectories],
+            action_mask=[tr.action_mask for tr in trajectories],
+            rollout_logprobs=[tr.rollout_logprobs for tr in trajectories],
+            rewards=rewards,
+            truncated=[bool(tr.truncated) for tr in trajectories],
+            token_rewards=token_rewards,
         )
 
     @property

@@ -6,7 +6,9 @@ dispatches over several by load; `spawn_engines` starts engines as Ray actors be
 `RayEngine` handles with the same methods. Weights arrive in the `rlhf.weights` wire format
 over its transports. `run_synchronous` / `run_asynchronous` decide when a loop's batches
 are sampled, trained on and synced (`rlhf.rollout.schedule`: versions, staleness, a bounded
-queue of `Rollout` s). It may import `rlhf.agents` and `rlhf.weights` only.
+queue of `Rollout` s); `sample_step` draws and samples one step's prompts with dynamic
+filtering's refill (`rlhf.rollout.sampling`). It may import `rlhf.agents` and `rlhf.weights`
+only.
 """
 
 from rlhf.rollout.config import EngineConfig, EngineOptions
@@ -22,19 +24,29 @@ from rlhf.rollout.ray_engine import (
     spawn_engines,
 )
 from rlhf.rollout.readback import VERIFY_MODES, LiveDigest, spot_check_names
+from rlhf.rollout.sampling import (
+    EmptyStepError,
+    GroupFilter,
+    PromptSource,
+    pass_at,
+    sample_step,
+)
 from rlhf.rollout.schedule import Rollout, StepRunner, run_asynchronous, run_synchronous
 from rlhf.rollout.weight_checks import read_checkpoint_params
 
 __all__ = [
     "VERIFY_MODES",
     "ConformanceReport",
+    "EmptyStepError",
     "EngineActor",
     "EngineConfig",
     "EngineDiedError",
     "EngineError",
     "EngineOptions",
     "EnginePool",
+    "GroupFilter",
     "LiveDigest",
+    "PromptSource",
     "RayEngine",
     "Revive",
     "Rollout",
@@ -42,10 +54,12 @@ __all__ = [
     "TransportSync",
     "VLLMEngine",
     "check_logprobs",
+    "pass_at",
     "processed_logprobs",
     "read_checkpoint_params",
     "run_asynchronous",
     "run_synchronous",
+    "sample_step",
     "spawn_engines",
     "spot_check_names",
 ]

@@ -176,13 +176,13 @@ def bench_step(
     config = LearnerConfig(
         model=ModelConfig(path=str(model_dir)),
         optimizer=OptimizerConfig(lr=1e-6, grad_clip=1.0),
-        deepspeed=DeepSpeedConfig(zero_stage=stage, bf16=bf16),
     )
-    ours = DeepSpeedBackend(config)
+    engine = DeepSpeedConfig(zero_stage=stage, bf16=bf16)
+    ours = DeepSpeedBackend(config, deepspeed=engine)
     model = load_model(config.model)
     optimizer, scheduler = build_optimizer(model, config.optimizer)
     plain, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(config)
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(config, engine)
     )
     batch = rl_batch(rows=rows, length=length, vocab=shape["vocab_size"])
     micro = [
@@ -268,8 +268,8 @@ def bench_option(
             LearnerConfig(
                 model=ModelConfig(path=str(model_dir), attn_implementation=attn, **{option: value}),
                 optimizer=OptimizerConfig(lr=1e-6, grad_clip=1.0),
-                deepspeed=DeepSpeedConfig(zero_stage=2, bf16=bf16),
-            )
+            ),
+            deepspeed=DeepSpeedConfig(zero_stage=2, bf16=bf16),
         )
         for name, value in (("off", False), ("on", True))
     }
@@ -345,8 +345,8 @@ def bench_deepcompile(
             LearnerConfig(
                 model=ModelConfig(path=str(model_dir)),
                 optimizer=OptimizerConfig(lr=1e-6, grad_clip=1.0),
-                deepspeed=DeepSpeedConfig(zero_stage=stage, bf16=True, deepcompile=value),
-            )
+            ),
+            deepspeed=DeepSpeedConfig(zero_stage=stage, bf16=True, deepcompile=value),
         )
         for name, value in (("off", False), ("on", True))
     }

@@ -17,7 +17,6 @@ Usage: python benchmarks/bench_molt.py [--json out.json] [--size tiny|0.5B|1.5B]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import json
@@ -63,13 +62,12 @@ def _setup(
     config = LearnerConfig(
         model=ModelConfig(path=str(model_dir)),
         optimizer=OptimizerConfig(lr=1e-6, grad_clip=1.0),
-        deepspeed=DeepSpeedConfig(zero_stage=2, bf16=gpu),
     )
     if mode == "deepspeed":
-        return DeepSpeedBackend(config)
+        return DeepSpeedBackend(config, deepspeed=DeepSpeedConfig(zero_stage=2, bf16=gpu))
     if mode in DEEPSPEED_OFFLOAD:
         ds = DeepSpeedConfig(bf16=gpu, **DEEPSPEED_OFFLOAD[mode])
-        return DeepSpeedBackend(dataclasses.replace(config, deepspeed=ds))
+        return DeepSpeedBackend(config, deepspeed=ds)
     offload = mode.removeprefix("molt-")
     fsdp = FSDPConfig(
         param_dtype="bfloat16" if gpu else "float32", offload=offload, **(options or {})

@@ -83,7 +83,7 @@ def test_deepspeed_states_after_a_step_are_what_the_planner_counts(stage, tmp_pa
     role = RoleConfig(
         model=ModelConfig(path=str(tmp_path)), deepspeed=DeepSpeedConfig(zero_stage=stage)
     )
-    backend = DeepSpeedBackend(LearnerConfig(model=role.model, deepspeed=role.deepspeed))
+    backend = DeepSpeedBackend(LearnerConfig(model=role.model), deepspeed=role.deepspeed)
     try:
         batch = rl_batch(rows=2, length=16, vocab=TINY["vocab_size"])
         norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))

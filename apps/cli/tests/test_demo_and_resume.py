@@ -214,7 +214,10 @@ def plan_line(command: str, preset: str, *flags: str) -> str:
 
     config = _parse(type(resolve(preset)), flags, resolve(preset), "rlhf train")
     root = pathlib.Path(config.run_dir) / "checkpoints"
-    return check_resume(config.validate(), root)[1]
+    config = config.validate()
+    return check_resume(
+        root, ckpt=config.ckpt, num_steps=config.train.num_steps, shape=config.shape()
+    )[1]
 
 
 def test_assets_for_a_run_from_an_sft_model_are_the_same_rows_without_a_model(tmp_path) -> None:

@@ -15,7 +15,7 @@ from .conftest import rlhf, small_run
 def _layout(config) -> dict[str, list[list[str]]]:
     return {
         g.name: [[f"{m.role}{m.rank}" for m in members] for members in g.bundles]
-        for g in plan_bundles(config)
+        for g in plan_bundles(config.processes())
     }
 
 
@@ -30,7 +30,7 @@ def test_bundle_layouts_follow_the_flags() -> None:
     assert _layout(hybrid) == {
         "all": [["actor0", "critic0", "engines0", "ref0"], ["actor1", "critic1", "engines1"]]
     }
-    (group,) = plan_bundles(hybrid)
+    (group,) = plan_bundles(hybrid.processes())
     # A bundle reserves what its members ask for: 0.5 (actor) + 1 (critic) + 1 (engine) + 0.5.
     assert [sum(m.cpus for m in b) for b in group.bundles] == [3.0, 2.5]
     rm = replace(ppo, **{"train.reward_model_path": "rm", "train.colocate_critic_reward": True})

@@ -73,9 +73,8 @@ def test_zero3_learner_to_vllm_engine(ray_connected, checkpoint, tmp_path) -> No
             LearnerConfig(
                 model=ModelConfig(path=str(checkpoint)),
                 optimizer=OptimizerConfig(lr=5e-2, grad_clip=0.0),
-                deepspeed=DeepSpeedConfig(zero_stage=3),
             ),
-            backend=DeepSpeedBackend,
+            backend=functools.partial(DeepSpeedBackend, deepspeed=DeepSpeedConfig(zero_stage=3)),
         )
         rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
         batch = collate(

@@ -14,7 +14,6 @@ from transformers import Qwen2ForCausalLM
 from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
 from rlhf.learner import (
     DeepSpeedConfig,
-    LearnerConfig,
     ModelConfig,
     PPOActorObjective,
     check_chunked_lm_head,
@@ -101,8 +100,9 @@ def test_a_lora_wrapped_head_is_refused(tiny) -> None:
 def test_configs_that_cannot_chunk_the_head_are_refused(tiny) -> None:
     with pytest.raises(ValueError, match="causal_lm roles only"):
         ModelConfig(path=str(tiny), kind="scalar", chunked_lm_head=True)
-    with pytest.raises(ValueError, match=r"chunked_lm_head needs deepspeed.zero_stage <= 2"):
-        LearnerConfig(
-            model=ModelConfig(path=str(tiny), chunked_lm_head=True),
-            deepspeed=DeepSpeedConfig(zero_stage=3),
-        )
+    chunked = ModelConfig(path=str(tiny), chunked_lm_head=True)
+    assert DeepSpeedConfig(zero_stage=2).model_problems(chunked) == []
+    assert DeepSpeedConfig(zero_stage=3).model_problems(chunked, prefix="actor.") == [
+        "actor.model.chunked_lm_head needs actor.deepspeed.zero_stage <= 2 (ZeRO-3 shards the "
+        "lm_head weight outside its own forward)"
+    ]

@@ -4,6 +4,7 @@ split, learning, checkpoints, HF export and weight buckets, with ZeRO-2 and ZeRO
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import time
@@ -56,10 +57,17 @@ process's moves the update by more than float32's tolerance. Elements below this
 held to the first step's bound only."""
 
 
+def zero(stage: int, **options):
+    """The DeepSpeed backend at ZeRO stage ``stage`` (``options``: further `DeepSpeedConfig`
+    fields), as a factory for ``build``."""
+    return functools.partial(
+        DeepSpeedBackend, deepspeed=DeepSpeedConfig(zero_stage=stage, **options)
+    )
+
+
 def config(
     path,
     *,
-    stage: int,
     lr: float = 1e-3,
     kind: str = "causal_lm",
     optimizer=True,
@@ -71,7 +79,6 @@ def config(
             path=str(path), kind=kind, packing_samples=packing, chunked_lm_head=chunked
         ),
         optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, betas=(0.9, 0.95)) if optimizer else None,
-        deepspeed=DeepSpeedConfig(zero_stage=stage),
     )
 
 
@@ -97,7 +104,7 @@ def sft_batch(tokenizer, n: int = 6):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sft_steps_lower_the_loss_and_change_every_parameter(group, tiny, tokenizer, stage) -> None:
-    group.build(config(tiny, stage=stage), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(stage))
     before = full_state(group)
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
@@ -125,7 +132,7 @@ def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage, option) ->
     algo = AlgoConfig(kl=KLConfig(use_loss=True, estimator="k3"), entropy_coef=0.01)
     norm = float(loss_normalizer(batch["action_mask"], mode="token-mean"))
     objective = PPOActorObjective(algo=algo, normalizer=norm, kl_coef=0.1)
-    cfg = config(tiny, stage=stage, lr=1e-3, packing=packing, chunked=option == "chunked_lm_head")
+    cfg = config(tiny, lr=1e-3, packing=packing, chunked=option == "chunked_lm_head")
     # Reference: one process, one micro-batch, torch AdamW with the same groups and schedule.
     optimizer, scheduler = build_optimizer(model, cfg.optimizer)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -136,7 +143,7 @@ def test_ppo_actor_step_is_exact_across_the_split(group, tiny, stage, option) ->
     optimizer.step()
     scheduler.step()
 
-    group.build(cfg, backend=DeepSpeedBackend)
+    group.build(cfg, backend=zero(stage))
     split = {"max_tokens": 16} if packing else {"max_rows": 2}
     assert [len(m) for m, _ in group.split(batch, **split)] == [2, 1]  # 3 micro-batches
     out = group.train_step(batch, objective, **split)
@@ -181,7 +188,7 @@ def test_critic_step_is_exact_across_the_split(group, tiny, packing, tmp_path) -
     grads = [p.grad for p in ref.parameters() if p.grad is not None]
     assert all(float(g.abs().max()) > 0 for g in grads)  # the decoder learns too
     grad_norm = torch.sqrt(sum((g**2).sum() for g in grads))
-    group.build(config(tmp_path, stage=2, kind="scalar", packing=packing), backend=DeepSpeedBackend)
+    group.build(config(tmp_path, kind="scalar", packing=packing), backend=zero(2))
     out = group.train_step(batch, objective, max_rows=3 if packing else 1)
     assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
@@ -190,16 +197,14 @@ def test_critic_step_is_exact_across_the_split(group, tiny, packing, tmp_path) -
 def test_save_load_resumes_the_next_step_exactly(group, tiny, tokenizer, tmp_path) -> None:
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
-    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(2))
     group.train_step(batch, objective, max_rows=3)
     path = group.save(str(tmp_path), 1, client_state={"step": 1, "data_position": 6}, keep=2)
     uninterrupted = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
-    group.build(
-        config(tiny, stage=2), backend=DeepSpeedBackend
-    )  # a new run from the initial weights
+    group.build(config(tiny), backend=zero(2))  # a new run from the initial weights
     fresh = group.train_step(batch, objective, max_rows=3)
     assert fresh["loss"] != pytest.approx(uninterrupted[0]["loss"])
-    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(2))
     assert group.load(path) == {"step": 1, "data_position": 6}
     resumed = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
     for a, b in zip(resumed, uninterrupted, strict=True):
@@ -216,12 +221,12 @@ def test_offloaded_states_come_back_and_training_continues_exactly(
     leaves the next steps bit-identical to steps without it."""
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
-    group.build(config(tiny, stage=stage), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(stage))
     group.train_step(batch, objective, max_rows=3)
     expected = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
     expected_state = full_state(group)
 
-    group.build(config(tiny, stage=stage), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(stage))
     group.train_step(batch, objective, max_rows=3)
     group.offload_states(weights=False)
     offloaded = group.run(lambda backend: backend.offloaded_states())
@@ -254,7 +259,7 @@ def test_started_runs_answer_per_rank_in_the_order_they_were_made(group, tiny) -
     made after it sees its effect, and its refs give each rank's result or error."""
     import ray
 
-    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(2))
     refs = group.start_run(_slow_mark, "released")
     assert group.run(lambda backend: backend.order_mark) == ["released", "released"]
     assert ray.get(refs) == [0, 1]
@@ -275,7 +280,7 @@ def test_a_ranks_error_comes_once_every_rank_ended_the_call(group, tiny, tmp_pat
     """Rank 1 refuses at once while rank 0 is still busy: the driver hears of the error only
     after rank 0's call ended, so it cannot start the next call (or change the files the call
     reads) while a rank is still inside this one."""
-    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(2))
     marker = tmp_path / "ended"
     with pytest.raises(ValueError, match="rank 1 refused"):
         group.run(_refuse_or_end_late, str(marker))
@@ -284,20 +289,19 @@ def test_a_ranks_error_comes_once_every_rank_ended_the_call(group, tiny, tmp_pat
 
 def test_offload_states_is_refused_where_deepspeed_cannot_move_partitions(group, tiny) -> None:
     for stage in (0, 3):
-        group.build(config(tiny, stage=stage), backend=DeepSpeedBackend)
+        group.build(config(tiny), backend=zero(stage))
         with pytest.raises(RuntimeError, match=f"zero_stage 1 or 2 \\(got {stage}\\)"):
             group.offload_states()
-    group.build(config(tiny, stage=2, optimizer=False), backend=DeepSpeedBackend)
+    group.build(config(tiny, optimizer=False), backend=zero(2))
     with pytest.raises(RuntimeError, match="needs a training role"):
         group.offload_states()
 
 
 def test_foreign_and_partial_checkpoints_are_refused(group, tiny, tmp_path) -> None:
-    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(2))
     good = group.save(str(tmp_path), 3, client_state={"step": 3})
-    group.build(
-        config(tiny, stage=2, kind="scalar"), backend=DeepSpeedBackend
-    )  # another model: a score head, no lm_head
+    # Another model: a score head, no lm_head.
+    group.build(config(tiny, kind="scalar"), backend=zero(2))
     with pytest.raises(
         CheckpointError,
         match=r"written for another model \(parameters it lacks: \['score.bias', 'score.weight'\]",
@@ -329,7 +333,7 @@ def _forge_manifest(path: pathlib.Path) -> None:
 
 
 def test_checkpoint_files_are_read_without_running_code(group, tiny, tmp_path) -> None:
-    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(2))
     path = pathlib.Path(group.save(str(tmp_path / "ckpt"), 1, client_state={"step": 1}))
     marker = tmp_path / "code-ran"
     rng = path / "rng" / "rank-0.safetensors"
@@ -350,7 +354,7 @@ def test_checkpoint_files_are_read_without_running_code(group, tiny, tmp_path) -
     with pytest.raises(CheckpointError, match=r"optim_states\.pt \(DeepSpeed engine state\)"):
         group.load(str(path))
     assert not marker.exists()
-    group.build(config(tiny, stage=2), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(2))
     fresh = pathlib.Path(group.save(str(tmp_path / "fresh"), 1, client_state={"step": 1}))
     (
         fresh / "rng" / "rank-0.safetensors"
@@ -366,11 +370,11 @@ def test_checkpoint_files_are_read_without_running_code(group, tiny, tmp_path) -
 
 def test_missing_model_path_fails_the_build_clearly(group, tmp_path) -> None:
     with pytest.raises(ModelLoadError, match=r"model path '.*missing' does not exist"):
-        group.build(config(tmp_path / "missing", stage=2), backend=DeepSpeedBackend)
+        group.build(config(tmp_path / "missing"), backend=zero(2))
 
 
 def test_zero3_export_round_trips_and_buckets_reassemble(group, tiny, tokenizer, tmp_path) -> None:
-    group.build(config(tiny, stage=3), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=zero(3))
     batch = sft_batch(tokenizer)
     group.train_step(batch, SFTObjective(normalizer=float(batch["loss_mask"].sum())), max_rows=3)
     state = full_state(group)
@@ -422,7 +426,7 @@ def test_reward_model_learns_a_separable_preference(group, tiny, tokenizer, tmp_
         )
 
     train, held_out = pairs(range(8)), pairs(range(10, 16))
-    group.build(config(tiny, stage=2, kind="scalar", lr=3e-3), backend=DeepSpeedBackend)
+    group.build(config(tiny, kind="scalar", lr=3e-3), backend=zero(2))
 
     def score(model, batch):
         return sequence_scores(model, batch.input_ids, batch.attention_mask)
@@ -463,7 +467,7 @@ def test_dpo_raises_preference_accuracy(group, tiny, tokenizer) -> None:
     reference = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     with torch.no_grad():
         batch.fields["ref_logps"] = sequence_logps(reference, batch)
-    group.build(config(tiny, stage=2, lr=2e-3), backend=DeepSpeedBackend)
+    group.build(config(tiny, lr=2e-3), backend=zero(2))
     objective = DPOObjective(normalizer=8.0, beta=0.1)
     first = group.train_step(batch, objective, max_rows=16)
     for _ in range(10):
@@ -484,9 +488,8 @@ def test_offloaded_eval_only_reference_matches_a_local_forward(group, tiny, toke
     cfg = LearnerConfig(
         model=ModelConfig(path=str(tiny)),
         optimizer=None,
-        deepspeed=DeepSpeedConfig(zero_stage=3, offload_params=True),
     )
-    group.build(cfg, backend=DeepSpeedBackend)
+    group.build(cfg, backend=zero(3, offload_params=True))
     batch = sft_batch(tokenizer)
 
     def logprobs(model, b):
@@ -534,7 +537,7 @@ def test_caller_made_micro_batches_are_exact_across_ranks(group, tiny, tokenizer
     # usual 1e-8 it is lr * sign(g), which turns fp32 summation-order noise on gradients near
     # zero into lr-sized differences (seen: 1 element of 8192 off by 1.3e-5 at lr 1e-3).
     cfg = dataclasses.replace(
-        config(tiny, stage=2),
+        config(tiny),
         optimizer=OptimizerConfig(lr=0.1, grad_clip=0.0, betas=(0.9, 0.95), eps=1.0),
     )
     model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
@@ -545,7 +548,7 @@ def test_caller_made_micro_batches_are_exact_across_ranks(group, tiny, tokenizer
     optimizer.step()
     scheduler.step()
 
-    group.build(cfg, backend=DeepSpeedBackend)
+    group.build(cfg, backend=zero(2))
     out = group.train_micro_batches([_pairs(batch, c) for c in chunks], objective)
     assert out["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
     assert out["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
@@ -561,9 +564,8 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(
     cfg = LearnerConfig(
         model=ModelConfig(path=str(tiny), lora_rank=4, lora_alpha=8),
         optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0),
-        deepspeed=DeepSpeedConfig(zero_stage=stage),
     )
-    fp = group.build(cfg, backend=DeepSpeedBackend)
+    fp = group.build(cfg, backend=zero(stage))
     assert any(".lora_A." in name for name in fp)
 
     def raw(backend):
@@ -607,9 +609,8 @@ def test_ema_follows_the_weights_and_survives_a_checkpoint(
     cfg = LearnerConfig(
         model=ModelConfig(path=str(tiny)),
         optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0, ema_decay=0.5),
-        deepspeed=DeepSpeedConfig(zero_stage=stage),
     )
-    group.build(cfg, backend=DeepSpeedBackend)
+    group.build(cfg, backend=zero(stage))
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
     w = [full_state(group)]
@@ -631,7 +632,7 @@ def test_ema_follows_the_weights_and_survives_a_checkpoint(
     assert group.train_step(batch, objective, max_rows=3)["loss"] == pytest.approx(
         expected_loss, rel=1e-5
     )
-    group.build(cfg, backend=DeepSpeedBackend)
+    group.build(cfg, backend=zero(stage))
     group.load(path)
     restored = group.run(lambda backend: backend.state_dict_on_rank0(ema=True))[0]
     assert all(torch.equal(restored[k], ema[k]) for k in ema)
@@ -649,9 +650,8 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_dense_merged_weights(
     cfg = LearnerConfig(
         model=ModelConfig(path=str(tiny), lora_rank=4, lora_alpha=8, load_in_4bit=True),
         optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0),
-        deepspeed=DeepSpeedConfig(zero_stage=2),
     )
-    group.build(cfg, backend=DeepSpeedBackend)
+    group.build(cfg, backend=zero(2))
 
     def packed(backend):
         proj = backend.module.get_base_model().model.layers[0].mlp.up_proj.base_layer

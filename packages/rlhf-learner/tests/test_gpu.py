@@ -79,19 +79,19 @@ def test_chunked_lm_head_on_cuda_equals_the_logits_path(tmp_path) -> None:
     assert cosine > 0.999, cosine
 
 
-def _steps(config, batch, objective, *, steps: int) -> tuple[list[dict], dict, list]:
+def _steps(config, deepspeed, batch, objective, *, steps: int) -> tuple[list[dict], dict, list]:
     """``steps`` actor steps of ``batch`` as one micro-batch on one in-process rank, then the
     log-probs of the batch (an eval forward) and the full state."""
     from rlhf.learner import DeepSpeedBackend, token_logprobs
 
-    backend = DeepSpeedBackend(config)
+    backend = DeepSpeedBackend(config, deepspeed=deepspeed)
     try:
         outs = [backend.train_micro_batches([batch], objective) for _ in range(steps)]
         logprobs = backend.forward_micro_batches(
             [batch], lambda m, b: token_logprobs(m, b.input_ids, b.attention_mask)[0]
         )
         state = backend.state_dict_on_rank0()
-        if config.deepspeed.deepcompile:  # several micro-batches a step: refused
+        if deepspeed.deepcompile:  # several micro-batches a step: refused
             halves = [batch.select([0, 1, 2]), batch.select([3, 4, 5])]
             with pytest.raises(ValueError, match="runs 2 micro-batches on a rank"):
                 backend.train_micro_batches(halves, objective)
@@ -129,15 +129,16 @@ def test_deepcompile_steps_equal_the_eager_ones(tmp_path, stage) -> None:
     objective = PPOActorObjective(algo=AlgoConfig(), normalizer=norm)
     lr = 1e-3
 
-    def config(deepcompile: bool) -> LearnerConfig:
-        return LearnerConfig(
-            model=ModelConfig(path=str(tmp_path)),
-            optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, eps=1.0),
-            deepspeed=DeepSpeedConfig(zero_stage=stage, deepcompile=deepcompile),
-        )
+    config = LearnerConfig(
+        model=ModelConfig(path=str(tmp_path)),
+        optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, eps=1.0),
+    )
 
-    eager, eager_state, eager_lp = _steps(config(False), batch, objective, steps=3)
-    compiled, state, lp = _steps(config(True), batch, objective, steps=3)
+    def engine(deepcompile: bool) -> DeepSpeedConfig:
+        return DeepSpeedConfig(zero_stage=stage, deepcompile=deepcompile)
+
+    eager, eager_state, eager_lp = _steps(config, engine(False), batch, objective, steps=3)
+    compiled, state, lp = _steps(config, engine(True), batch, objective, steps=3)
     # Losses first: the later steps' say whether the updates were right, the norms whether
     # DeepSpeed reports them right (no clipping, so a wrong norm cannot change an update).
     assert [o["loss"] for o in compiled] == pytest.approx([o["loss"] for o in eager], rel=1e-4)

@@ -90,17 +90,20 @@ def learner(
     gradient_checkpointing: bool = False,
     reentrant: bool = False,
     **deepspeed: Any,
-) -> LearnerConfig:
+) -> dict[str, Any]:
+    """``build``'s arguments: the role and the DeepSpeed backend with ``deepspeed``'s
+    `DeepSpeedConfig` fields."""
     model = ModelConfig(
         path=str(path),
         gradient_checkpointing=gradient_checkpointing,
         gradient_checkpointing_reentrant=reentrant,
     )
-    return LearnerConfig(
+    config = LearnerConfig(
         model=model,
         optimizer=OptimizerConfig(lr=lr, grad_clip=grad_clip, betas=(beta1, 0.95), eps=EPS),
-        deepspeed=DeepSpeedConfig(**deepspeed),
     )
+    backend = functools.partial(DeepSpeedBackend, deepspeed=DeepSpeedConfig(**deepspeed))
+    return {"config": config, "backend": backend}
 
 
 def _count_layer_calls(backend) -> None:
@@ -117,8 +120,8 @@ def _full_state(backend) -> dict[str, torch.Tensor] | None:
     return backend.state_dict_on_rank0()
 
 
-def run(group: LearnerGroup, config: LearnerConfig, ppo) -> Step:
-    group.build(config, backend=DeepSpeedBackend)
+def run(group: LearnerGroup, role: dict[str, Any], ppo) -> Step:
+    group.build(**role)
     group.run(_count_layer_calls)
     metrics, after = [], []
     for batch, objective in ppo:
@@ -297,8 +300,7 @@ def test_the_gradient_accumulation_dtype_reaches_deepspeed(group, tiny) -> None:
     """OpenRLHF's ``--ds.grad_accum_dtype``: DeepSpeed accumulates a bf16 model's gradients in
     bf16 by default, in fp32 when asked."""
     for accum, want in ((None, torch.bfloat16), ("fp32", torch.float32)):
-        group.build(learner(tiny, zero_stage=2, bf16=True, grad_accum_dtype=accum),
-                    backend=DeepSpeedBackend)  # fmt: skip
+        group.build(**learner(tiny, zero_stage=2, bf16=True, grad_accum_dtype=accum))
         assert group.run(lambda b: b.engine.get_data_types()) == [(torch.bfloat16, want)] * 2
     with pytest.raises(ValueError, match=r"grad_accum_dtype must be fp32, bf16 or fp16"):
         DeepSpeedConfig(grad_accum_dtype="float8")
@@ -333,7 +335,7 @@ def _threads_per_row(model, batch) -> torch.Tensor:
 def test_compute_threads_hold_during_a_rank_s_compute_calls_only(group, tiny, ppo) -> None:
     """``LearnerGroup.compute_threads``: every rank trains and runs forwards with that many
     torch intra-op threads and is back at its own count afterwards; None leaves its count."""
-    group.build(learner(tiny), backend=DeepSpeedBackend)
+    group.build(**learner(tiny))
     own = group.num_threads()
     wanted = own[0] + 2
     batch, objective = ppo[0]

@@ -5,6 +5,8 @@ parameter after the update (fp32, CPU, DeepSpeed ZeRO-2 on gloo)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -51,19 +53,22 @@ def learner(path, *, kind: str = "causal_lm", train: bool = True) -> LearnerConf
     return LearnerConfig(
         model=ModelConfig(path=str(path), kind=kind),
         optimizer=OptimizerConfig(lr=1e-3, grad_clip=1.0, warmup_steps=0) if train else None,
-        deepspeed=DeepSpeedConfig(zero_stage=2),
     )
+
+
+ZERO2 = functools.partial(DeepSpeedBackend, deepspeed=DeepSpeedConfig(zero_stage=2))
+"""The roles' backend: DeepSpeed ZeRO-2."""
 
 
 def in_process(config: LearnerConfig) -> InProcessRole:
     role = InProcessRole()
-    role.build(config, backend=DeepSpeedBackend)
+    role.build(config, backend=ZERO2)
     return role
 
 
 def on_ray(config: LearnerConfig, ranks: int) -> LearnerGroup:
     group = LearnerGroup(num_ranks=ranks)
-    group.build(config, backend=DeepSpeedBackend)
+    group.build(config, backend=ZERO2)
     return group
 
 

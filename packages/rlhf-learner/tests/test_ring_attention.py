@@ -13,6 +13,7 @@ the wrong way would land on the wrong rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -141,7 +142,9 @@ def test_deepspeed_ring_attention_step_equals_one_process(
     cfg = LearnerConfig(
         model=ModelConfig(path=str(tiny), packing_samples=packing),
         optimizer=OptimizerConfig(lr=LR, grad_clip=0.0, betas=(0.9, 0.95), eps=EPS),
-        deepspeed=DeepSpeedConfig(zero_stage=stage, ring_attn_size=2),
+    )
+    ring = functools.partial(
+        DeepSpeedBackend, deepspeed=DeepSpeedConfig(zero_stage=stage, ring_attn_size=2)
     )
     optimizer, scheduler = build_optimizer(model, cfg.optimizer)
     loss, _ = objective(model, dataclasses.replace(batch, packing_samples=packing))
@@ -152,7 +155,7 @@ def test_deepspeed_ring_attention_step_equals_one_process(
 
     group = LearnerGroup(num_ranks=ranks, num_cpus_per_rank=0.5)
     try:
-        group.build(cfg, backend=DeepSpeedBackend)
+        group.build(cfg, backend=ring)
         coords = group.run(lambda backend: (backend.dp_rank, backend.dp_size))
         assert coords == [(r // 2, ranks // 2) for r in range(ranks)]
         split = {"max_tokens": 16} if packing else {"max_rows": 2}
@@ -173,12 +176,12 @@ def test_a_ring_that_does_not_divide_the_ranks_is_refused(ray_cluster, tiny) -> 
     cfg = LearnerConfig(
         model=ModelConfig(path=str(tiny)),
         optimizer=OptimizerConfig(lr=1e-3),
-        deepspeed=DeepSpeedConfig(ring_attn_size=2),
     )
+    ring = functools.partial(DeepSpeedBackend, deepspeed=DeepSpeedConfig(ring_attn_size=2))
     try:
         with pytest.raises(
             Exception, match=r"--deepspeed.ring_attn_size 2 must divide the role's 3"
         ):
-            group.build(cfg, backend=DeepSpeedBackend)
+            group.build(cfg, backend=ring)
     finally:
         group.shutdown()

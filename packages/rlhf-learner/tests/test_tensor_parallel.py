@@ -5,6 +5,7 @@ among them."""
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
@@ -62,13 +63,15 @@ def tiny_tp(tiny, tmp_path_factory) -> pathlib.Path:
 
 def learner(
     path: pathlib.Path, *, tp: int, train: bool = True, stage: int = 1, **model
-) -> LearnerConfig:
-    """A role at ``tp_size`` ``tp`` (``model``: further `ModelConfig` fields)."""
-    return LearnerConfig(
+) -> dict[str, object]:
+    """``build``'s arguments for a role at ``tp_size`` ``tp`` (``model``: further
+    `ModelConfig` fields)."""
+    config = LearnerConfig(
         model=ModelConfig(path=str(path), **model),
         optimizer=OptimizerConfig(lr=LR, grad_clip=0.0, eps=EPS) if train else None,
-        deepspeed=DeepSpeedConfig(zero_stage=stage, tp_size=tp),
     )
+    deepspeed = DeepSpeedConfig(zero_stage=stage, tp_size=tp)
+    return {"config": config, "backend": functools.partial(DeepSpeedBackend, deepspeed=deepspeed)}
 
 
 def ppo(path: pathlib.Path) -> tuple[object, PPOActorObjective]:
@@ -94,7 +97,7 @@ def reference_step(path: pathlib.Path, batch, objective, **options) -> dict[str,
     split = options.pop("split")
     single = LearnerGroup(num_ranks=1, num_cpus_per_rank=0.5)
     try:
-        single.build(learner(path, tp=1, **options), backend=DeepSpeedBackend)
+        single.build(**learner(path, tp=1, **options))
         before = full_state(single)
         fingerprint = single.run(lambda backend: backend.fingerprint())[0]
         out = single.train_step(batch, objective, **split)
@@ -133,9 +136,7 @@ def test_tp_step_and_whole_weights_equal_one_rank(
     )
     group = LearnerGroup(num_ranks=ranks, num_cpus_per_rank=0.5)
     try:
-        group.build(
-            learner(tiny_tp, tp=2, stage=stage, packing_samples=packing), backend=DeepSpeedBackend
-        )
+        group.build(**learner(tiny_tp, tp=2, stage=stage, packing_samples=packing))
         coords = group.run(lambda backend: (backend.dp_rank, backend.dp_size))
         assert coords == [(r // 2, ranks // 2) for r in range(ranks)]
         rows = group.run(lambda b: dict(b.module.named_parameters())["lm_head.weight"].shape[0])
@@ -201,7 +202,7 @@ def test_eval_only_tp_role_gives_the_local_forward(ray_cluster, tiny_tp, tmp_pat
 
     group = LearnerGroup(num_ranks=2, num_cpus_per_rank=0.5)
     try:
-        group.build(learner(path, tp=2, train=False, kind=kind), backend=DeepSpeedBackend)
+        group.build(**learner(path, tp=2, train=False, kind=kind))
         split = group.run(lambda b: type(b.module.model.layers[0].self_attn.o_proj).__name__)
         assert split == ["LinearAllreduce"] * 2
         ours = group.forward(batch, fn, max_rows=4)
@@ -223,13 +224,13 @@ def test_tp_checkpoint_resumes_exactly(ray_cluster, tiny_tp, tmp_path) -> None:
     batch, objective = ppo(tiny_tp)
     group = LearnerGroup(num_ranks=2, num_cpus_per_rank=0.5)
     try:
-        group.build(learner(tiny_tp, tp=2), backend=DeepSpeedBackend)
+        group.build(**learner(tiny_tp, tp=2))
         group.train_step(batch, objective, max_rows=2)
         saved = full_state(group)
         path = group.save(str(tmp_path), 1, client_state={"step": 1})
         uninterrupted = group.train_step(batch, objective, max_rows=2)
         expected = full_state(group)
-        group.build(learner(tiny_tp, tp=2), backend=DeepSpeedBackend)
+        group.build(**learner(tiny_tp, tp=2))
         fresh = full_state(group)
         assert any(not torch.equal(fresh[k], saved[k]) for k in saved)
         assert group.load(path) == {"step": 1}
@@ -324,17 +325,16 @@ def test_the_backend_refuses_what_it_cannot_run(ray_cluster, tiny_tp) -> None:
     group = LearnerGroup(num_ranks=1, num_cpus_per_rank=0.5)
     try:
         with pytest.raises(Exception, match=r"--deepspeed.tp_size 2 must divide the role's 1"):
-            group.build(learner(tiny_tp, tp=2), backend=DeepSpeedBackend)
+            group.build(**learner(tiny_tp, tp=2))
         compiled = LearnerConfig(
-            model=ModelConfig(path=str(tiny_tp)),
-            optimizer=OptimizerConfig(lr=LR),
-            deepspeed=DeepSpeedConfig(zero_stage=1, deepcompile=True),
+            model=ModelConfig(path=str(tiny_tp)), optimizer=OptimizerConfig(lr=LR)
+        )
+        deepcompile = functools.partial(
+            DeepSpeedBackend, deepspeed=DeepSpeedConfig(zero_stage=1, deepcompile=True)
         )
         with pytest.raises(Exception, match=r"--deepspeed.deepcompile needs a CUDA GPU"):
-            group.build(compiled, backend=DeepSpeedBackend)
-        eval_only = LearnerConfig(
-            model=compiled.model, optimizer=None, deepspeed=compiled.deepspeed
-        )
-        assert group.build(eval_only, backend=DeepSpeedBackend)
+            group.build(compiled, backend=deepcompile)
+        eval_only = LearnerConfig(model=compiled.model, optimizer=None)
+        assert group.build(eval_only, backend=deepcompile)
     finally:
         group.shutdown()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rlhf.learner import (
+    DeepSpeedBackend,
     DeepSpeedConfig,
     LearnerConfig,
     ModelConfig,
@@ -24,14 +27,17 @@ def config(
     lr: float = 1e-3,
     eps: float = 1e-8,
 ) -> LearnerConfig:
-    """One training role on ``path`` (AdamW, no clipping, ZeRO-2 for the DeepSpeed twin)."""
+    """One training role on ``path`` (AdamW, no clipping)."""
     return LearnerConfig(
         model=ModelConfig(
             path=str(path), kind=kind, packing_samples=packing, chunked_lm_head=chunked
         ),
         optimizer=OptimizerConfig(lr=lr, grad_clip=0.0, betas=(0.9, 0.95), eps=eps),
-        deepspeed=DeepSpeedConfig(zero_stage=2),
     )
+
+
+ZERO2 = functools.partial(DeepSpeedBackend, deepspeed=DeepSpeedConfig(zero_stage=2))
+"""The DeepSpeed twin the molt steps are held to: ZeRO-2."""
 
 
 def full_state(group) -> dict[str, torch.Tensor]:

@@ -17,8 +17,6 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 from rlhf.algos import AlgoConfig, KLConfig, loss_normalizer
 from rlhf.learner import (
     CheckpointError,
-    DeepSpeedBackend,
-    DeepSpeedConfig,
     DPOObjective,
     LearnerConfig,
     LearnerGroup,
@@ -37,7 +35,7 @@ from rlhf.learner.optim import build_optimizer
 from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
 from rlhf.weights import iter_tensors, validate_sync
 
-from .molt_cases import config, critic_case, full_state, rl_batch, sft_batch
+from .molt_cases import ZERO2, config, critic_case, full_state, rl_batch, sft_batch
 
 MOLT = functools.partial(FSDPBackend, fsdp=FSDPConfig())
 
@@ -73,7 +71,7 @@ def test_ppo_actor_step_equals_one_process_and_deepspeed(group, tiny, option) ->
 
     split = {"max_tokens": 16} if packing else {"max_rows": 2}
     results, states = {}, {}
-    for name, backend in (("molt", MOLT), ("deepspeed", DeepSpeedBackend)):
+    for name, backend in (("molt", MOLT), ("deepspeed", ZERO2)):
         group.build(cfg, backend=backend)
         assert [len(m) for m, _ in group.split(batch, **split)] == [2, 1]
         results[name] = group.train_step(batch, objective, **split)
@@ -199,7 +197,7 @@ def test_dcp_files_hold_no_pickle_and_a_forged_one_is_refused_unread(group, tiny
 
 
 def test_another_backends_checkpoint_is_refused(group, tiny, tmp_path) -> None:
-    group.build(config(tiny), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=ZERO2)
     written = group.save(str(tmp_path), 2, client_state={"step": 2})
     group.build(config(tiny), backend=MOLT)
     with pytest.raises(CheckpointError, match=r"no FSDP \(DCP\) state .* --actor.backend"):
@@ -207,7 +205,7 @@ def test_another_backends_checkpoint_is_refused(group, tiny, tmp_path) -> None:
 
 
 def test_export_and_weight_stream_equal_the_full_state(group, tiny, tokenizer, tmp_path) -> None:
-    group.build(config(tiny), backend=DeepSpeedBackend)
+    group.build(config(tiny), backend=ZERO2)
     deepspeed_shapes = group.run(lambda backend: backend.fingerprint())[0]
     group.build(config(tiny), backend=MOLT)
     assert group.run(lambda backend: backend.fingerprint())[0] == deepspeed_shapes
@@ -320,7 +318,7 @@ def test_preference_steps_equal_deepspeed(group, tiny, tokenizer, kind) -> None:
     else:
         objective, cfg = RewardModelObjective(normalizer=6.0), config(tiny, kind="scalar")
     results, states = {}, {}
-    for name, backend in (("molt", MOLT), ("deepspeed", DeepSpeedBackend)):
+    for name, backend in (("molt", MOLT), ("deepspeed", ZERO2)):
         group.build(cfg, backend=backend)
         results[name] = group.train_step(batch, objective, max_rows=12)
         states[name] = full_state(group)
@@ -366,7 +364,6 @@ def test_lora_trains_adapters_only_like_deepspeed_and_exports_merged(
     cfg = LearnerConfig(
         model=ModelConfig(path=str(tiny), lora_rank=4, lora_alpha=8),
         optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0),
-        deepspeed=DeepSpeedConfig(zero_stage=2),
     )
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
@@ -378,7 +375,7 @@ def test_lora_trains_adapters_only_like_deepspeed_and_exports_merged(
         }
 
     results, merged = {}, {}
-    for name, backend in (("deepspeed", DeepSpeedBackend), ("molt", MOLT)):
+    for name, backend in (("deepspeed", ZERO2), ("molt", MOLT)):
         fp = group.build(cfg, backend=backend)
         assert any(".lora_A." in n for n in fp)
         before = group.run(raw)[0]

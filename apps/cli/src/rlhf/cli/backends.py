@@ -41,11 +41,6 @@ class LearnerBackend(Protocol):
 
     def own_context_parallel(self, role: RoleConfig) -> int: ...
 
-    def learner_ring(self, role: RoleConfig) -> int:
-        """The ring size `rlhf.learner.LearnerConfig` carries (1: the backend splits the
-        sequence its own way)."""
-        ...
-
     def compiles(self, role: RoleConfig) -> bool:
         """The role compiles on CPUs too (TorchDynamo must stay on)."""
         ...
@@ -79,16 +74,14 @@ class DeepSpeed:
     def factory(self, role: RoleConfig) -> Any:
         from rlhf.learner import DeepSpeedBackend
 
-        return DeepSpeedBackend
+        ring = dataclasses.replace(role.deepspeed, ring_attn_size=role.context_parallel)
+        return functools.partial(DeepSpeedBackend, deepspeed=ring)
 
     def tensor_parallel(self, role: RoleConfig) -> int:
         return role.deepspeed.tp_size
 
     def own_context_parallel(self, role: RoleConfig) -> int:
         return role.deepspeed.ring_attn_size
-
-    def learner_ring(self, role: RoleConfig) -> int:
-        return role.context_parallel
 
     def compiles(self, role: RoleConfig) -> bool:
         return False  # DeepCompile and the fused log-prob chunks compile on CUDA only
@@ -136,9 +129,6 @@ class Molt:
 
     def own_context_parallel(self, role: RoleConfig) -> int:
         return role.fsdp.cp_size
-
-    def learner_ring(self, role: RoleConfig) -> int:
-        return 1  # molt splits the sequence over its own mesh (fsdp_options' cp_size)
 
     def compiles(self, role: RoleConfig) -> bool:
         return role.fsdp.compile
@@ -346,7 +336,7 @@ def _deepspeed_problems(role: RoleConfig, *, flag: str) -> list[str]:
     ds = role.deepspeed
     problems = tensor_parallel_problems(
         deepspeed=ds, model=role.model, world_size=role.num_ranks, prefix=f"{flag}."
-    )
+    ) + [f"--{p}" for p in ds.model_problems(role.model, prefix=f"{flag}.")]
     if ds.tp_size > 1 and role.ring_attn_size > 1:
         problems.append(
             f"--{flag}.deepspeed.tp_size {ds.tp_size} with --{flag}.ring_attn_size "

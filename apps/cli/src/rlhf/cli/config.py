@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from rlhf.algos import AlgoConfig
 from rlhf.cli.backends import backend_of
-from rlhf.cli.nodes import NodeSpec
+from rlhf.cli.nodes import NodeSpec, Processes
 from rlhf.cli.sections import (
     VERIFY_SYNC,
     CkptConfig,
@@ -117,6 +117,27 @@ class RLConfig:
     def uses_reference(self) -> bool:
         return self.algo.kl.init_coef > 0
 
+    def processes(self) -> Processes:
+        """What placement reads of the run: every role it starts (processes, CPUs each), the
+        roles' node specs and the colocation flags."""
+        actor_cpus = self.actor.num_cpus_per_rank
+        ranks = {"actor": (self.actor.num_ranks, actor_cpus)}
+        if self.uses_reference:
+            ranks["ref"] = (1, actor_cpus)
+        if self.uses_critic:
+            ranks["critic"] = (self.critic.num_ranks, self.critic.num_cpus_per_rank)
+        if self.train.reward_model_path:
+            ranks["reward_model"] = (1, actor_cpus)
+        ranks["engines"] = (self.vllm.num_engines, self.vllm.num_cpus)
+        t = self.train
+        return Processes(
+            ranks=ranks,
+            nodes=self.role_nodes(),
+            colocate_all=t.colocate_all,
+            colocate_actor_ref=t.colocate_actor_ref,
+            colocate_critic_reward=t.colocate_critic_reward,
+        )
+
     def validate(self) -> RLConfig:
         """Raise `ConfigError` listing every invalid value and combination, each naming its
         flags (checked before anything starts)."""
@@ -200,6 +221,24 @@ class RLConfig:
         samples = self.rollout.batch_size * self.rollout.n_samples_per_prompt
         per_step = self.train.batch_size or samples
         return self.train.ppo_epochs * -(-samples // per_step)
+
+    def shape(self) -> dict[str, int]:
+        """What a checkpoint records (``trainer_state.json``'s ``shape``) and a resume must
+        keep: the `RL_SHAPE` flags' values."""
+        out = {}
+        for flag in RL_SHAPE:
+            section, name = flag.split(".")
+            out[flag] = int(getattr(getattr(self, section), name))
+        return out
+
+
+RL_SHAPE = (
+    "rollout.batch_size",
+    "rollout.n_samples_per_prompt",
+    "train.batch_size",
+    "train.ppo_epochs",
+)
+"""The flags an RL checkpoint records and a resume must keep (`RLConfig.shape`)."""
 
 
 def absolute_path(path: str) -> str:

@@ -11,6 +11,8 @@ A node spec is one of:
 
 `NodeSpec.parse` is pure (checked before anything starts); `unmatched` checks the running
 cluster's nodes, since a selector no node satisfies would leave Ray waiting forever.
+`Processes` is what placement reads of a run: its roles' processes, their nodes and how they
+share resources.
 """
 
 from __future__ import annotations
@@ -90,6 +92,30 @@ class NodeSpec:
         if self.spread:
             return SPREAD
         return ",".join(f"{k}={v}" for k, v in self.labels) or "any node"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Processes:
+    """The processes a run starts and where they may go (`rlhf.cli.config.RLConfig.processes`).
+
+    Attributes:
+        ranks: Per started role (``actor``, ``ref``, ``critic``, ``reward_model``,
+            ``engines``): its processes and the CPUs each reserves.
+        nodes: Per role, the flag whose node spec it follows and that spec.
+        colocate_all: ``--train.colocate_all`` (hybrid placement).
+        colocate_actor_ref: ``--train.colocate_actor_ref``.
+        colocate_critic_reward: ``--train.colocate_critic_reward``.
+    """
+
+    ranks: dict[str, tuple[int, float]]
+    nodes: dict[str, tuple[str, NodeSpec]]
+    colocate_all: bool = False
+    colocate_actor_ref: bool = False
+    colocate_critic_reward: bool = False
+
+    def flagged_nodes(self) -> dict[str, tuple[str, NodeSpec]]:
+        """``nodes`` of the roles this run starts."""
+        return {role: spec for role, spec in self.nodes.items() if role in self.ranks}
 
 
 def unmatched(specs: Mapping[str, NodeSpec], nodes: Sequence[Mapping[str, Any]]) -> list[str]:

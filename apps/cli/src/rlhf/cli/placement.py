@@ -18,8 +18,8 @@ import json
 import pathlib
 from typing import Any
 
-from rlhf.cli.config import ConfigError, RLConfig
-from rlhf.cli.nodes import NodeSpec, unmatched
+from rlhf.cli.config import ConfigError
+from rlhf.cli.nodes import NodeSpec, Processes, unmatched
 from rlhf.cli.sections import RoleConfig
 
 
@@ -40,23 +40,9 @@ class GroupLayout:
     bundles: tuple[tuple[Member, ...], ...]
 
 
-def _ranks(config: RLConfig) -> dict[str, tuple[int, float]]:
-    """Processes and CPUs per process of every role this run starts."""
-    out = {"actor": (config.actor.num_ranks, config.actor.num_cpus_per_rank)}
-    if config.uses_reference:
-        out["ref"] = (1, config.actor.num_cpus_per_rank)
-    if config.uses_critic:
-        out["critic"] = (config.critic.num_ranks, config.critic.num_cpus_per_rank)
-    if config.train.reward_model_path:
-        out["reward_model"] = (1, config.actor.num_cpus_per_rank)
-    out["engines"] = (config.vllm.num_engines, config.vllm.num_cpus)
-    return out
-
-
-def plan_bundles(config: RLConfig) -> list[GroupLayout]:
+def plan_bundles(processes: Processes) -> list[GroupLayout]:
     """The placement groups the colocation flags call for (empty: every role on its own)."""
-    t = config.train
-    roles = _ranks(config)
+    roles = processes.ranks
 
     def layout(name: str, size: int, members: list[tuple[str, int, int]]) -> GroupLayout:
         bundles: list[list[Member]] = [[] for _ in range(size)]
@@ -64,18 +50,18 @@ def plan_bundles(config: RLConfig) -> list[GroupLayout]:
             bundles[bundle].append(Member(role, rank, roles[role][1]))
         return GroupLayout(name, tuple(tuple(b) for b in bundles))
 
-    if t.colocate_all:
-        n = config.actor.num_ranks
+    if processes.colocate_all:
+        n = roles["actor"][0]
         members = [(role, r, r) for role in ("actor", "critic", "engines") if role in roles
                    for r in range(roles[role][0])]  # fmt: skip
         members += [(role, 0, 0) for role in ("ref", "reward_model") if role in roles]
         return [layout("all", n, members)]
     groups = []
-    if t.colocate_actor_ref and "ref" in roles:
-        n = config.actor.num_ranks
+    if processes.colocate_actor_ref and "ref" in roles:
+        n = roles["actor"][0]
         groups.append(layout("actor_ref", n, [("actor", r, r) for r in range(n)] + [("ref", 0, 0)]))
-    if t.colocate_critic_reward and "critic" in roles and "reward_model" in roles:
-        n = config.critic.num_ranks
+    if processes.colocate_critic_reward and "critic" in roles and "reward_model" in roles:
+        n = roles["critic"][0]
         members = [("critic", r, r) for r in range(n)] + [("reward_model", 0, 0)]
         groups.append(layout("critic_reward", n, members))
     return groups
@@ -132,10 +118,9 @@ class Placement:
         self.groups = []
 
 
-def describe_nodes(config: RLConfig) -> str | None:
+def describe_nodes(processes: Processes) -> str | None:
     """The plan's line on nodes, when any role names them."""
-    running = _ranks(config)
-    specs = {role: spec for role, (_, spec) in config.role_nodes().items() if role in running}
+    specs = {role: spec for role, (_, spec) in processes.flagged_nodes().items()}
     if not any(specs.values()):
         return None
     return "nodes: " + ", ".join(f"{role} {spec.describe()}" for role, spec in specs.items())
@@ -148,7 +133,7 @@ def _group_node(layout: GroupLayout, nodes: dict[str, NodeSpec]) -> NodeSpec:
     return next((nodes[r] for r in roles if nodes[r]), NodeSpec())
 
 
-def place(config: RLConfig, *, gpu: bool, timeout_s: float = 300.0) -> Placement:
+def place(processes: Processes, *, gpu: bool, timeout_s: float = 300.0) -> Placement:
     """Create the placement groups of `plan_bundles` on the running Ray cluster, on the nodes
     the ``--*.node`` flags allow.
 
@@ -160,13 +145,12 @@ def place(config: RLConfig, *, gpu: bool, timeout_s: float = 300.0) -> Placement
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    running = _ranks(config)
-    flagged = {role: spec for role, spec in config.role_nodes().items() if role in running}
+    flagged = processes.flagged_nodes()
     problems = unmatched(dict(flagged.values()), ray.nodes())
     if problems:
         raise ConfigError("\n".join(problems))
     nodes = {role: spec for role, (_, spec) in flagged.items()}
-    layouts = plan_bundles(config)
+    layouts = plan_bundles(processes)
     scheduling: dict[str, list[Any]] = {}
     gpus: dict[str, float] = {}
     groups = []

@@ -45,8 +45,8 @@ def plan(config: RLConfig) -> list[str]:
             if config.uses_critic
             else ""
         ),
-        describe(plan_bundles(config)),
-        *filter(None, [describe_nodes(config)]),
+        describe(plan_bundles(config.processes())),
+        *filter(None, [describe_nodes(config.processes())]),
         mode(t),
     ]
 

@@ -15,26 +15,9 @@ import pathlib
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from rlhf.cli.config import ConfigError, RLConfig
+from rlhf.cli.config import ConfigError
 from rlhf.cli.sections import CkptConfig
 from rlhf.learner import CheckpointError, latest_checkpoint, latest_intact_checkpoint
-
-SHAPE = (
-    "rollout.batch_size",
-    "rollout.n_samples_per_prompt",
-    "train.batch_size",
-    "train.ppo_epochs",
-)
-"""The flags a checkpoint records (``trainer_state.json``'s ``shape``) and a resume must keep."""
-
-
-def run_shape(config: RLConfig) -> dict[str, int]:
-    """The `SHAPE` values of ``config``."""
-    out = {}
-    for flag in SHAPE:
-        section, name = flag.split(".")
-        out[flag] = int(getattr(getattr(config, section), name))
-    return out
 
 
 def pick_checkpoint(root: pathlib.Path, ckpt: CkptConfig) -> tuple[pathlib.Path | None, str]:
@@ -155,11 +138,13 @@ def resume_point(
     return ResumePoint(chosen, step, state), f"{passed}from {chosen} (step {step})"
 
 
-def check_resume(config: RLConfig, root: pathlib.Path) -> tuple[pathlib.Path | None, str]:
-    """The RL command's `resume_point` (its flags, its `SHAPE`): the checkpoint's directory
-    (None: a new run) and the plan's line."""
+def check_resume(
+    root: pathlib.Path, *, ckpt: CkptConfig, num_steps: int, shape: Mapping[str, int]
+) -> tuple[pathlib.Path | None, str]:
+    """The RL command's `resume_point` (``--ckpt.*``, ``--train.num_steps``, the run's
+    `rlhf.cli.config.RLConfig.shape`): the checkpoint's directory (None: a new run) and the
+    plan's line."""
     point, line = resume_point(
-        root, ckpt=config.ckpt, num_steps=config.train.num_steps,
-        steps_flag="--train.num_steps", shape=run_shape(config),
-    )  # fmt: skip
+        root, ckpt=ckpt, num_steps=num_steps, steps_flag="--train.num_steps", shape=shape
+    )
     return (point.path if point is not None else None), line

@@ -37,18 +37,21 @@ from rlhf.cli.sync import GroupTransport, SenderTransport
 from rlhf.weights import transport as transport_spec
 
 if TYPE_CHECKING:
-    from rlhf.cli.config import RLConfig
     from rlhf.cli.roles import Roles
+    from rlhf.cli.sections import TrainConfig
     from rlhf.cli.sync import Transport
     from rlhf.rollout import RayEngine
 
 
 class RevivableRun(Protocol):
-    """What revival needs of a run's driver (`rlhf.cli.rl.RLDriver` is one): its config, its
-    roles (engines, pool, how engines start), its weight transport, its metrics sink (wrapped
-    to count restarts) and its ``echo`` for the ``[fault]`` line."""
+    """What revival needs of a run's driver (`rlhf.cli.rl.RLDriver` is one): its schedule
+    (``--train.*``: colocation, async), its roles (engines, pool, how engines start), its
+    weight transport, its metrics sink (wrapped to count restarts) and its ``echo`` for the
+    ``[fault]`` line."""
 
-    config: RLConfig
+    @property
+    def train(self) -> TrainConfig: ...
+
     roles: Roles
     transport: Transport
     log: MetricsSink
@@ -140,7 +143,7 @@ def enable_revival(
     """Give the run's pool the hook that revives its engines and count the revivals in the
     step rows, where the weight transport ``kind`` allows it; else say once that a dead
     engine stops the run."""
-    train = driver.config.train
+    train = driver.train
     why = why_not_revivable(
         kind, gpu=gpu, colocated=train.colocate_all, asynchronous=train.async_enable
     )

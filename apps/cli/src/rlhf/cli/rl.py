@@ -41,10 +41,11 @@ from rlhf.cli.data import (
 from rlhf.cli.faults import actor_died, resume_hint
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
 from rlhf.cli.plan import plan
-from rlhf.cli.resume import check_resume, run_shape
+from rlhf.cli.resume import check_resume
 from rlhf.cli.revive import enable_revival
 from rlhf.cli.roles import Roles, start_roles
 from rlhf.cli.sampling import Executors, check_user_files, group_filter
+from rlhf.cli.sections import TrainConfig
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.stopping import Stopped, as_stopped
 from rlhf.cli.sync import (
@@ -116,7 +117,12 @@ def run_rl(
         echo(f"[plan] {line}")
     resume_from = None
     if config.ckpt.load_enable:
-        resume_from, line = check_resume(config, run_dir / "checkpoints")
+        resume_from, line = check_resume(
+            run_dir / "checkpoints",
+            ckpt=config.ckpt,
+            num_steps=config.train.num_steps,
+            shape=config.shape(),
+        )
         echo(f"[plan] resume: {line}")
     torch.manual_seed(config.train.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
@@ -256,6 +262,11 @@ class RLDriver:
         self.micro = MicroBatching(
             max_rows=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch or None
         )
+
+    @property
+    def train(self) -> TrainConfig:
+        """``--train.*`` (`rlhf.cli.revive.RevivableRun` reads the schedule from it)."""
+        return self.config.train
 
     @property
     def request_seed(self) -> int | None:
@@ -448,7 +459,7 @@ class RLDriver:
             "sampler": newest,
             "kl_controller": self.kl_ctl.state_dict(),
             "queue": [r.to_state() for r in queue],
-            "shape": run_shape(self.config),
+            "shape": self.config.shape(),
         }
         ckpt, actor = self.config.ckpt, self.roles.actor
         self.enter("training", record=False)  # DeepSpeed saves the states from the device

@@ -343,7 +343,7 @@ def start_roles(
     start = time.perf_counter()
     engines: list[RayEngine] = []
     groups: dict[str, LearnerGroup] = {}
-    placement = place(config, gpu=gpu)
+    placement = place(config.processes(), gpu=gpu)
     try:  # nothing started may outlive a run that could not start (the except below)
         launch = engine_launch(
             config.vllm,

@@ -167,13 +167,7 @@ class RoleConfig:
     def learner(self, *, seed: int, total_steps: int, train: bool = True) -> LearnerConfig:
         """The role for `rlhf.learner` (``train`` False: eval-only, no optimizer)."""
         optimizer = dataclasses.replace(self.optimizer, total_steps=max(total_steps, 1))
-        ring = backend_of(self).learner_ring(self)
-        return LearnerConfig(
-            model=self.model,
-            optimizer=optimizer if train else None,
-            deepspeed=dataclasses.replace(self.deepspeed, ring_attn_size=ring),
-            seed=seed,
-        )
+        return LearnerConfig(model=self.model, optimizer=optimizer if train else None, seed=seed)
 
     def fsdp_options(self) -> FSDPConfig:
         """The molt backend's options, ``ring_attn_size`` applied as ``cp_size``."""

@@ -349,11 +349,6 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
             "would train",
         ),
         (
-            config.actor.model.chunked_lm_head and config.actor.deepspeed.zero_stage == 3,
-            "--actor.model.chunked_lm_head needs --actor.deepspeed.zero_stage <= 2 (ZeRO-3 "
-            "shards the lm_head weight outside its own forward)",
-        ),
-        (
             config.critic.model.chunked_lm_head,
             "--critic.model.chunked_lm_head: the critic has a value head, not an lm_head",
         ),

@@ -252,34 +252,38 @@ class DeepSpeedConfig:
                 "(untested); use one of the two"
             )
 
+    def model_problems(self, model: ModelConfig, *, prefix: str = "") -> list[str]:
+        """The model options these engine options cannot carry, each naming
+        ``{prefix}model.*`` and ``{prefix}deepspeed.*``: 4-bit weights split by ZeRO-3 or
+        tensor parallelism, the chunked lm_head under ZeRO-3."""
+        problems = []
+        if model.load_in_4bit and (self.zero_stage == 3 or self.tp_size > 1):
+            problems.append(
+                f"{prefix}model.load_in_4bit needs {prefix}deepspeed.zero_stage <= 2 and "
+                f"{prefix}deepspeed.tp_size 1: ZeRO-3 and tensor parallelism split "
+                "parameters, and 4-bit packed weights cannot be split"
+            )
+        if model.chunked_lm_head and self.zero_stage == 3:
+            problems.append(
+                f"{prefix}model.chunked_lm_head needs {prefix}deepspeed.zero_stage <= 2 (ZeRO-3 "
+                "shards the lm_head weight outside its own forward)"
+            )
+        return problems
+
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    """One role: its model, optimizer (None for eval-only roles) and engine.
+    """One role, whatever its backend: its model, optimizer (None for eval-only roles) and
+    seed. A backend's own options travel with its factory
+    (``functools.partial(DeepSpeedBackend, deepspeed=DeepSpeedConfig(...))``, molt's
+    ``functools.partial(FSDPBackend, fsdp=FSDPConfig(...))``).
 
     Attributes:
         model: The model.
         optimizer: None for eval-only roles (reference, reward model in RL).
-        deepspeed: Engine options.
         seed: Seed of parameter init (value heads) and of dropout RNGs.
     """
 
     model: ModelConfig
     optimizer: OptimizerConfig | None = field(default_factory=OptimizerConfig)
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     seed: int = 42
-
-    def __post_init__(self) -> None:
-        if self.model.load_in_4bit and (
-            self.deepspeed.zero_stage == 3 or self.deepspeed.tp_size > 1
-        ):
-            raise ValueError(
-                "model.load_in_4bit needs deepspeed.zero_stage <= 2 and deepspeed.tp_size 1: "
-                "ZeRO-3 and tensor parallelism split parameters, and 4-bit packed weights "
-                "cannot be split"
-            )
-        if self.model.chunked_lm_head and self.deepspeed.zero_stage == 3:
-            raise ValueError(
-                "model.chunked_lm_head needs deepspeed.zero_stage <= 2 (under ZeRO-3 the "
-                "lm_head weight is sharded outside its own forward)"
-            )

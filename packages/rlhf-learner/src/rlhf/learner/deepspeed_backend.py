@@ -49,7 +49,7 @@ from rlhf.learner import state_codec
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.build_locks import naming_build_locks
-from rlhf.learner.config import LearnerConfig
+from rlhf.learner.config import DeepSpeedConfig, LearnerConfig
 from rlhf.learner.context_parallel import check_group_size, shard_sequence
 from rlhf.learner.export import write_hf_export
 from rlhf.learner.forward import check_chunked_lm_head, check_packing
@@ -83,10 +83,9 @@ def init_distributed() -> None:
         shared.leave_group_at_exit()
 
 
-def ds_config(config: LearnerConfig) -> dict[str, Any]:
-    """The DeepSpeed JSON config of a role (an eval-only role's under tensor parallelism
-    at ZeRO stage 0: DeepSpeed's stages 1–2 need an optimizer)."""
-    ds = config.deepspeed
+def ds_config(config: LearnerConfig, ds: DeepSpeedConfig) -> dict[str, Any]:
+    """The DeepSpeed JSON config of a role on engine options ``ds`` (an eval-only role's under
+    tensor parallelism at ZeRO stage 0: DeepSpeed's stages 1–2 need an optimizer)."""
     stage = 0 if ds.tp_size > 1 and config.optimizer is None else ds.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     if ds.offload_optimizer:
@@ -99,8 +98,8 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
         zero["zero_hpz_partition_size"] = ds.hpz_partition_size
     opt = config.optimizer
-    clip = 0.0 if opt is None or _owns_clipping(config) else opt.grad_clip
-    compiled = _compiled(config)
+    clip = 0.0 if opt is None or _owns_clipping(config, ds) else opt.grad_clip
+    compiled = _compiled(config, ds)
     extra: dict[str, Any] = {}
     if ds.tp_size > 1:
         extra["tensor_parallel"] = autotp_section(ds.tp_size)
@@ -124,22 +123,21 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
     }
 
 
-def _owns_clipping(config: LearnerConfig) -> bool:
+def _owns_clipping(config: LearnerConfig, ds: DeepSpeedConfig) -> bool:
     """Whether the backend, not DeepSpeed, clips the gradients and measures their norm: a
     float32 training role at ZeRO-0, where DeepSpeed steps the torch optimizer unwrapped and
     keeps no norm (its ``get_global_grad_norm`` stays None; see `_clip_zero0_gradients`)."""
-    ds = config.deepspeed
     return config.optimizer is not None and ds.zero_stage == 0 and not ds.bf16
 
 
-def _compiled(config: LearnerConfig) -> bool:
+def _compiled(config: LearnerConfig, ds: DeepSpeedConfig) -> bool:
     """Whether the role's engine runs DeepCompile (training roles with the option)."""
-    return config.deepspeed.deepcompile and config.optimizer is not None
+    return ds.deepcompile and config.optimizer is not None
 
 
-def check_deepcompile(config: LearnerConfig) -> None:
+def check_deepcompile(config: LearnerConfig, ds: DeepSpeedConfig) -> None:
     """Raise ValueError naming ``--deepspeed.deepcompile`` when this process cannot run it."""
-    if not _compiled(config):
+    if not _compiled(config, ds):
         return
     from deepspeed.compile.util import is_deepcompile_supported
 
@@ -172,16 +170,23 @@ class DeepSpeedBackend:
 
     Args:
         config: The role. ``config.optimizer`` None makes it eval-only (reference, reward).
+        deepspeed: The engine's options (ZeRO stage, offload, bf16, the context- and
+            tensor-parallel sizes, …): a role of this backend is built by
+            ``functools.partial(DeepSpeedBackend, deepspeed=DeepSpeedConfig(...))``.
     """
 
-    def __init__(self, config: LearnerConfig) -> None:
-        import deepspeed
+    def __init__(self, config: LearnerConfig, *, deepspeed: DeepSpeedConfig | None = None) -> None:
+        ds = deepspeed if deepspeed is not None else DeepSpeedConfig()
+        problems = ds.model_problems(config.model)
+        if problems:
+            raise ValueError("; ".join(problems))
+        import deepspeed as deepspeed_lib
 
         init_distributed()
-        self.config = config
+        self.config, self.deepspeed = config, ds
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
-        cp, tp = config.deepspeed.ring_attn_size, config.deepspeed.tp_size
+        cp, tp = ds.ring_attn_size, ds.tp_size
         check_group_size(cp, world_size=self.world_size, flag="deepspeed.ring_attn_size")
         if cp > 1 and (config.model.lora_rank or config.model.chunked_lm_head):
             raise ValueError(
@@ -189,20 +194,20 @@ class DeepSpeedBackend:
                 "combined yet; use ring_attn_size 1 for those"
             )
         problems = tensor_parallel_problems(
-            deepspeed=config.deepspeed, model=config.model, world_size=self.world_size
+            deepspeed=ds, model=config.model, world_size=self.world_size
         )
         if problems:
             raise ValueError("; ".join(problems))
-        check_deepcompile(config)
+        check_deepcompile(config, ds)
         self.dp_size = self.world_size // (cp * tp)
         """Data-parallel replicas: the ranks / (``ring_attn_size`` × ``tp_size``) (a ring's
         or a tensor-parallel group's adjacent ranks run the same rows)."""
         self.dp_rank = self.rank // (cp * tp)
         self.device = shared.rank_device()
         torch.manual_seed(config.seed)
-        self._ds_config = ds_config(config)
+        self._ds_config = ds_config(config, ds)
         self._hf_ds: Any = None
-        if config.deepspeed.zero_stage == 3:
+        if ds.zero_stage == 3:
             from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
             self._hf_ds = HfDeepSpeedConfig(self._ds_config)  # must outlive the model build
@@ -217,23 +222,23 @@ class DeepSpeedBackend:
             optimizer, scheduler = build_optimizer(model, config.optimizer)
             # DeepSpeed annotates lr_scheduler as the deprecated `_LRScheduler`; it takes any
             # `LRScheduler`, such as this LambdaLR.
-            self.engine, _, _, self.scheduler = deepspeed.initialize(
+            self.engine, _, _, self.scheduler = deepspeed_lib.initialize(
                 model=model,
                 optimizer=optimizer,
                 lr_scheduler=scheduler,  # pyright: ignore[reportArgumentType]
                 config=self._ds_config,
             )
             self.engine.checkpoint_engine = SafetensorsEngineFiles(self.engine.checkpoint_engine)
-            if _owns_clipping(config):
+            if _owns_clipping(config, ds):
                 optimizer.register_step_pre_hook(self._clip_zero0_gradients)
             self._module: torch.nn.Module = self.engine.module
-            if _compiled(config):
+            if _compiled(config, ds):
                 self.engine.compile()
-        elif config.deepspeed.zero_stage == 3 or tp > 1:
-            self.engine, *_ = deepspeed.initialize(model=model, config=self._ds_config)
+        elif ds.zero_stage == 3 or tp > 1:
+            self.engine, *_ = deepspeed_lib.initialize(model=model, config=self._ds_config)
             self._module = self.engine.module
         else:
-            dtype = torch.bfloat16 if config.deepspeed.bf16 else None
+            dtype = torch.bfloat16 if ds.bf16 else None
             self._module = model.to(device=self.device, dtype=dtype)
         self._module.eval()
         self._tp: ShardLayout | None = None
@@ -283,7 +288,7 @@ class DeepSpeedBackend:
         engine = self.engine
         engine.train()
         passes = self._passes(len(micro_batches))
-        if _compiled(self.config):
+        if _compiled(self.config, self.deepspeed):
             check_compiled_passes(passes)
         out = shared.train_passes(
             micro_batches,
@@ -303,7 +308,7 @@ class DeepSpeedBackend:
             shared.ema_update(self._ema, ((n, _local(p)) for n, p in self._trainable()), decay)
         norm = (
             self._zero0_grad_norm
-            if _owns_clipping(self.config)
+            if _owns_clipping(self.config, self.deepspeed)
             else self.engine.get_global_grad_norm()
         )
         out["grad_norm"] = float(norm) if norm is not None else float("nan")
@@ -384,7 +389,7 @@ class DeepSpeedBackend:
         return sorted(s.value for s in self._offloadable().optimizer.offloaded_states)
 
     def _offloadable(self) -> Any:
-        ds = self.config.deepspeed
+        ds = self.deepspeed
         if self.engine is None or self.config.optimizer is None:
             raise RuntimeError(
                 "offload_states needs a training role (an optimizer); an eval-only role keeps "
@@ -421,7 +426,7 @@ class DeepSpeedBackend:
             exclude_frozen_parameters=frozen_base,
         )
         if self.rank == 0:
-            write_saved_tp_size(directory, tp_size=self.config.deepspeed.tp_size)
+            write_saved_tp_size(directory, tp_size=self.deepspeed.tp_size)
         ckpt.write_rank_rng(directory, self.rank)
         if self._ema is not None:
             shared.save_ema(directory, self.rank, self._ema)
@@ -432,7 +437,7 @@ class DeepSpeedBackend:
         state = ckpt.validate(directory, self.fingerprint())
         if self.engine is None or self.config.optimizer is None:
             return state
-        check_saved_tp_size(directory, tp_size=self.config.deepspeed.tp_size)
+        check_saved_tp_size(directory, tp_size=self.deepspeed.tp_size)
         path, _ = self.engine.load_checkpoint(
             str(pathlib.Path(directory) / "backend"),
             tag="state",
@@ -459,7 +464,7 @@ class DeepSpeedBackend:
                 yield name, layout.full(name, param.detach())
             return
         gather = None
-        if self.config.deepspeed.zero_stage == 3 and self.engine is not None:
+        if self.deepspeed.zero_stage == 3 and self.engine is not None:
             import deepspeed
 
             gather = functools.partial(deepspeed.zero.GatheredParameters, modifier_rank=None)

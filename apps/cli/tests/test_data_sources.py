@@ -14,16 +14,9 @@ from collections.abc import Callable
 
 import pytest
 
-from rlhf.cli.data import (
-    DataSourceError,
-    Prompt,
-    PromptSampler,
-    dataset_rows,
-    load_prompts,
-    prompt_sources,
-    read_rows,
-)
+from rlhf.cli.data import Prompt, PromptSampler, load_prompts, prompt_sources
 from rlhf.cli.sections import DataConfig
+from rlhf.learner.datasets import DataSourceError, dataset_rows, read_rows
 
 # An extra column the prompt does not use, a non-ASCII prompt and an empty label survive every
 # format unchanged.

@@ -210,9 +210,9 @@ def test_a_resume_that_cannot_continue_is_refused_before_start_up(
         typo, capsys, monkeypatch
     )
     # ... and one line under auto (this run then stops at its missing dataset).
-    from rlhf.cli.data import DataSourceError
     from rlhf.cli.sections import CkptConfig
     from rlhf.cli.sft import SFTConfig, run_sft
+    from rlhf.learner.datasets import DataSourceError
 
     config = SFTConfig(
         run_dir=str(tmp_path / "typo"),
@@ -304,9 +304,9 @@ def test_rm_margin_key_shifts_each_pair_by_its_margin(assets, tmp_path) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from rlhf.cli.data import read_rows
     from rlhf.cli.preference import PreferenceConfig, load_pairs, preference_step
     from rlhf.learner import ModelConfig, load_model
+    from rlhf.learner.datasets import read_rows
 
     margins = [0.0, 1.5, -2.0, 3.0, 0.5]
     pairs = tmp_path / "pairs.jsonl"

@@ -173,8 +173,8 @@ def _command(command: str, rest: list[str], args: list[str], *, debug: bool) -> 
     from rlhf.agents import EnvironmentStepError, RewardError
     from rlhf.cli.config import ConfigError, RunError
     from rlhf.cli.console import Console
-    from rlhf.cli.data import DataSourceError
     from rlhf.learner import CheckpointError, DataError, ModelLoadError
+    from rlhf.learner.datasets import DataSourceError
 
     console = Console(sys.stdout)
     try:

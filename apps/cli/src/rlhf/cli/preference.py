@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf.cli.backends import backend_factory, compute_threads, rank_env, role_problems
 from rlhf.cli.config import ConfigError, absolute_path
-from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import Progress
 from rlhf.cli.sections import CkptConfig, LoggingConfig, PlanConfig, RayConfig, RoleConfig
 from rlhf.cli.trainer_state import (
@@ -41,6 +40,7 @@ from rlhf.cli.trainer_state import (
     steps_of_epochs,
     training_rows,
 )
+from rlhf.learner.datasets import read_rows
 
 if TYPE_CHECKING:
     from rlhf.learner import Batch, Objective
@@ -55,7 +55,7 @@ class PreferenceConfig(LoggingConfig):
         dataset: Preference rows (.json/.jsonl/.parquet or a saved HF dataset); several
             comma-separated.
         dataset_probs: Blend weights of several comma-separated ``dataset`` sources, one
-            each (`rlhf.cli.data.dataset_rows`); empty: the sources one after another.
+            each (`rlhf.learner.datasets.dataset_rows`); empty: the sources one after another.
         chat_template: A Jinja chat template that replaces the tokenizer's (OpenRLHF's
             ``--data.tokenizer_chat_template``); the exported model's tokenizer carries it.
         eval_dataset: Held-out pairs for ``*/eval_accuracy`` (optional): before training,

@@ -70,7 +70,7 @@ def steps_of_episodes(config: RLConfig, *, echo: Callable[[str], None] = print) 
     episodes = config.train.num_episodes
     if not episodes:
         return config
-    from rlhf.cli.data import count_rows
+    from rlhf.learner.datasets import count_rows
 
     prompts = count_rows(config.data.prompt_data, max_samples=config.data.max_samples)
     steps = max(1, episodes * (prompts // config.rollout.batch_size))

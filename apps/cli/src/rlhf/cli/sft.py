@@ -17,7 +17,6 @@ from typing import Any
 
 from rlhf.cli.backends import backend_factory, compute_threads, rank_env, role_problems
 from rlhf.cli.config import ConfigError, absolute_path
-from rlhf.cli.data import read_rows
 from rlhf.cli.metrics import Progress
 from rlhf.cli.sections import CkptConfig, LoggingConfig, PlanConfig, RayConfig, RoleConfig
 from rlhf.cli.trainer_state import (
@@ -31,6 +30,7 @@ from rlhf.cli.trainer_state import (
     steps_of_epochs,
     training_rows,
 )
+from rlhf.learner.datasets import read_rows
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class SFTConfig(LoggingConfig):
         run_dir: Where metrics, the resolved config and the exported model go.
         dataset: A .json/.jsonl/.parquet file or saved HF dataset; several comma-separated.
         dataset_probs: Blend weights of several comma-separated ``dataset`` sources, one
-            each (`rlhf.cli.data.dataset_rows`); empty: the sources one after another.
+            each (`rlhf.learner.datasets.dataset_rows`); empty: the sources one after another.
         chat_template: A Jinja chat template that replaces the tokenizer's (OpenRLHF's
             ``--data.tokenizer_chat_template``); the exported model's tokenizer carries it.
         eval_dataset: Held-out rows (read like ``dataset``): their token-mean NLL,

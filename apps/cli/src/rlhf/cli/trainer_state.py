@@ -51,8 +51,8 @@ class _Epochs(Protocol):
 
 def training_rows(config: _Epochs) -> list[dict[str, Any]]:
     """The rows a trainer learns from: ``--dataset`` (blended by ``--dataset_probs``), cut
-    at ``--max_samples`` (`rlhf.cli.data.dataset_rows`)."""
-    from rlhf.cli.data import DataSourceError, dataset_rows
+    at ``--max_samples`` (`rlhf.learner.datasets.dataset_rows`)."""
+    from rlhf.learner.datasets import DataSourceError, dataset_rows
 
     rows = dataset_rows(
         config.dataset,

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import pathlib
-import random
 import select
 import shutil
 import signal
@@ -374,38 +373,6 @@ def test_a_margin_that_is_not_a_number_names_the_row_and_the_flag(
                    str(assets["model"]), "--dataset", str(pairs), "--margin_key", "m"],
                   capsys, monkeypatch)  # fmt: skip
     assert f"row 1 of {pairs}: --margin_key 'm' must name a finite number, got None" in err
-
-
-def _legacy_order(n: int, batch: int, steps: int, seed: int) -> list[list[int]]:
-    """The draw the commands used before checkpoints existed: whole shuffled epochs appended
-    to a list while it is shorter than a batch."""
-    rng, order, out = random.Random(seed), [], []
-    for _ in range(steps):
-        while len(order) < batch:
-            epoch = list(range(n))
-            rng.shuffle(epoch)
-            order += epoch
-        out.append(order[:batch])
-        order = order[batch:]
-    return out
-
-
-@pytest.mark.parametrize(("n", "batch"), [(1, 1), (5, 2), (6, 4), (3, 7), (12, 8)])
-def test_the_row_order_continues_exactly_from_its_state(n, batch) -> None:
-    from rlhf.cli.trainer_state import RowOrder
-
-    steps = 9
-    expected = _legacy_order(n, batch, steps, seed=3)
-    whole = RowOrder(n, seed=3)
-    assert [whole.take(batch) for _ in range(steps)] == expected
-    for stop in range(steps):
-        first = RowOrder(n, seed=3)
-        for _ in range(stop):
-            first.take(batch)
-        state = json.loads(json.dumps(first.state_dict()))  # as trainer_state.json holds it
-        resumed = RowOrder(n, seed=99)  # the seed does not matter once the state is loaded
-        resumed.load_state_dict(state, checkpoint="step-x")
-        assert [resumed.take(batch) for _ in range(stop, steps)] == expected[stop:], stop
 
 
 def test_wandb_errors_name_this_commands_flag(monkeypatch, tmp_path) -> None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import collections
 import json
+import random
 
 import pytest
 
 from rlhf.learner.datasets import (
     DataSourceError,
+    RowOrder,
     blend_weights,
     count_rows,
     dataset_rows,
@@ -57,3 +59,33 @@ def test_blends_give_every_weighted_row_and_refuse_bad_weights(tmp_path) -> None
         blend_weights((0.0, 0.0), n_sources=2)
     with pytest.raises(DataSourceError, match=r"must be finite and >= 0, not \[-1\.0\]"):
         blend_weights((1.0, -1.0), n_sources=2)
+
+
+def _legacy_order(n: int, batch: int, steps: int, seed: int) -> list[list[int]]:
+    """The draw the commands used before checkpoints existed: whole shuffled epochs appended
+    to a list while it is shorter than a batch."""
+    rng, order, out = random.Random(seed), [], []
+    for _ in range(steps):
+        while len(order) < batch:
+            epoch = list(range(n))
+            rng.shuffle(epoch)
+            order += epoch
+        out.append(order[:batch])
+        order = order[batch:]
+    return out
+
+
+@pytest.mark.parametrize(("n", "batch"), [(1, 1), (5, 2), (6, 4), (3, 7), (12, 8)])
+def test_the_row_order_continues_exactly_from_its_state(n, batch) -> None:
+    steps = 9
+    expected = _legacy_order(n, batch, steps, seed=3)
+    whole = RowOrder(n, seed=3)
+    assert [whole.take(batch) for _ in range(steps)] == expected
+    for stop in range(steps):
+        first = RowOrder(n, seed=3)
+        for _ in range(stop):
+            first.take(batch)
+        state = json.loads(json.dumps(first.state_dict()))  # as trainer_state.json holds it
+        resumed = RowOrder(n, seed=99)  # the seed does not matter once the state is loaded
+        resumed.load_state_dict(state, checkpoint="step-x")
+        assert [resumed.take(batch) for _ in range(stop, steps)] == expected[stop:], stop

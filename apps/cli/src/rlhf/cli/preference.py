@@ -31,16 +31,20 @@ from rlhf.cli.metrics import Progress
 from rlhf.cli.sections import CkptConfig, LoggingConfig, PlanConfig, RayConfig, RoleConfig
 from rlhf.cli.trainer_state import (
     SHAPE,
-    RowOrder,
     check_resume,
     open_trainer_sinks,
-    rows_crc32,
     save_step,
     saves_at,
     steps_of_epochs,
     training_rows,
 )
-from rlhf.learner.datasets import read_rows
+from rlhf.learner.datasets import RowOrder, read_rows, rows_crc32
+from rlhf.learner.preference import (
+    pair_accuracy,
+    pair_micro_batches,
+    preference_batch,
+    select_pairs,
+)
 
 if TYPE_CHECKING:
     from rlhf.learner import Batch, Objective
@@ -204,44 +208,18 @@ def load_pairs(
     pad_token_id: int,
     margin_key: str | None = None,
 ) -> Batch:
-    """The pairs of ``rows`` (read from ``source``, which errors name) as one batch: every
-    chosen row, then every rejected row, with ``loss_mask`` on the responses and, with
-    ``margin_key``, each pair's ``margin`` on both of its rows (a `DataError` names a row whose
-    margin is not a finite number)."""
-    from rlhf.learner import DataError, collate, preference_row
-
-    pairs = [
-        preference_row(
-            row,
-            i,
-            tokenizer,
-            prompt_key=config.prompt_key,
-            chosen_key=config.chosen_key,
-            rejected_key=config.rejected_key,
-            input_template=config.input_template,
-            max_len=config.max_len,
-        )
-        for i, row in enumerate(rows)
-    ]
-    margins = []
-    for i, row in enumerate(rows if margin_key is not None else []):
-        value = row.get(str(margin_key))
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise DataError(
-                f"row {i} of {source}: --margin_key {margin_key!r} must name a finite number, "
-                f"got {value!r}"
-            )
-        margins.append(float(value))
-    token_rows = [c for c, _ in pairs] + [r for _, r in pairs]
-    return collate(
-        [r.input_ids for r in token_rows],
+    """`rlhf.learner.preference.preference_batch` with this command's keys and limits."""
+    return preference_batch(
+        rows,
+        tokenizer,
+        prompt_key=config.prompt_key,
+        chosen_key=config.chosen_key,
+        rejected_key=config.rejected_key,
+        input_template=config.input_template,
+        max_len=config.max_len,
         pad_token_id=pad_token_id,
-        per_token={"loss_mask": [r.loss_mask for r in token_rows]},
-        per_sequence={"margin": margins + margins} if margin_key is not None else None,
+        source=source,
+        margin_key=margin_key,
     )
 
 
@@ -252,8 +230,7 @@ def preference_step(
     `load_pairs` batch), each holding whole pairs, and the objective of ``kind``."""
     from rlhf.learner import DPOObjective, RewardModelObjective
 
-    n = train.size // 2
-    batch = train.select([*pairs, *(n + i for i in pairs)])
+    batch = select_pairs(train, pairs)
     objective: Objective = (
         RewardModelObjective(normalizer=float(len(pairs)), loss_type=config.loss_type)
         if kind == "rm"
@@ -265,31 +242,7 @@ def preference_step(
             nll_coef=config.nll_loss_coef,
         )
     )
-    return _pair_chunks(batch, config.micro_batch_size), objective
-
-
-def _pair_chunks(batch: Batch, pairs_per_micro: int) -> list[Batch]:
-    """Micro-batches of whole pairs: rows ``i`` and ``n + i`` stay together, chosen first."""
-    n = batch.size // 2
-    chunks = []
-    for s in range(0, n, pairs_per_micro):
-        pairs = range(s, min(s + pairs_per_micro, n))
-        chunks.append(batch.select([*pairs, *(n + i for i in pairs)]))
-    return chunks
-
-
-def _accuracy(group: Any, held: Any, *, kind: str, micro: Any) -> float:
-    """Held-out pair accuracy: the chosen row scored higher (RM), or its implicit reward
-    log π − log π_ref higher (DPO)."""
-    from rlhf.learner import per_sequence, sequence_logps, sequence_scores_of
-
-    values = per_sequence(
-        group, held, sequence_scores_of if kind == "rm" else sequence_logps, micro
-    )
-    if kind == "dpo":
-        values = values - held["ref_logps"]
-    n = held.size // 2
-    return float((values[:n] > values[n:]).float().mean())
+    return pair_micro_batches(batch, config.micro_batch_size), objective
 
 
 def run_preference(
@@ -394,7 +347,7 @@ def run_preference(
             if held is not None:
                 held.fields["ref_logps"] = per_sequence(group, held, sequence_logps, micro)
         if held is not None:  # of the initial model, also when resuming
-            result["eval_accuracy_start"] = _accuracy(group, held, kind=kind, micro=micro)
+            result["eval_accuracy_start"] = pair_accuracy(group, held, kind=kind, micro=micro)
         start = 0
         if resume is not None:
             group.load(str(resume.path))
@@ -420,13 +373,13 @@ def run_preference(
             every = config.eval_steps
             # (the last step's evaluation is written below)
             if held is not None and every and step % every == 0 and step != config.num_steps:
-                accuracy = _accuracy(group, held, kind=kind, micro=micro)
+                accuracy = pair_accuracy(group, held, kind=kind, micro=micro)
                 log.write({"step": step, f"{kind}/eval_accuracy": accuracy})
             if saves_at(step, ckpt=config.ckpt, num_steps=config.num_steps):
                 save_step(group, command=kind, step=step, config=config, order=order,
                           tokenizer=tokenizer, run_dir=run_dir, echo=echo)  # fmt: skip
         if held is not None:
-            result["eval_accuracy_end"] = _accuracy(group, held, kind=kind, micro=micro)
+            result["eval_accuracy_end"] = pair_accuracy(group, held, kind=kind, micro=micro)
             log.write(
                 {"step": config.num_steps, f"{kind}/eval_accuracy": result["eval_accuracy_end"]}
             )

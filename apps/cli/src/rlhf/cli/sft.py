@@ -21,16 +21,14 @@ from rlhf.cli.metrics import Progress
 from rlhf.cli.sections import CkptConfig, LoggingConfig, PlanConfig, RayConfig, RoleConfig
 from rlhf.cli.trainer_state import (
     SHAPE,
-    RowOrder,
     check_resume,
     open_trainer_sinks,
-    rows_crc32,
     save_step,
     saves_at,
     steps_of_epochs,
     training_rows,
 )
-from rlhf.learner.datasets import read_rows
+from rlhf.learner.datasets import RowOrder, read_rows, rows_crc32
 
 
 @dataclass(frozen=True)

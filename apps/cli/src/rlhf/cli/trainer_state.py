@@ -4,8 +4,8 @@ A checkpoint is `rlhf.learner`'s (``run_dir/checkpoints/step-XXXXXXXX/``, writte
 staging directory and renamed into place whole, ``COMPLETE`` last): the learner's states as
 `LearnerGroup.save` writes them (model, optimizer, scheduler, each rank's RNG) and the run's
 own in ``trainer_state.json`` (`trainer_state`): the step, the command, the batch shape and
-the data order (`RowOrder`), so a resumed run trains on exactly the rows the uninterrupted run
-would have.
+the data order (`rlhf.learner.datasets.RowOrder`), so a resumed run trains on exactly the
+rows the uninterrupted run would have.
 
 `check_resume` picks the checkpoint and reads its ``trainer_state.json`` before anything starts
 (no tokenizer, no Ray) with the RL command's rules (`rlhf.cli.resume`: ``--ckpt.load_enable
@@ -15,21 +15,23 @@ a run that is done already or whose batch shape differs.
 
 from __future__ import annotations
 
-import json
 import pathlib
-import random
 import shutil
-import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from rlhf.cli.config import ConfigError
 from rlhf.cli.metrics import Sinks, open_sinks
 from rlhf.cli.resume import ResumePoint, resume_point
 from rlhf.cli.sections import CkptConfig, LoggingConfig
-from rlhf.learner import CheckpointError
+from rlhf.learner.datasets import RowOrder
 
 SHAPE = ("batch_size",)
+"""The flags a checkpoint records (``trainer_state.json``'s ``shape``) and a resume must keep:
+``batch_size`` sets which rows make a step and what the optimizer schedule counts.
+``micro_batch_size`` is left out: the losses are normalised over the whole step, so it splits
+the same sums differently (float rounding only) and may change on resume (e.g. after running
+out of memory)."""
 
 
 class _Epochs(Protocol):
@@ -79,98 +81,6 @@ def steps_of_epochs(config: _Epochs, *, echo: Any = print) -> int:
         f"{config.batch_size} -> {steps} steps"
     )
     return steps
-
-
-"""The flags a checkpoint records (``trainer_state.json``'s ``shape``) and a resume must keep:
-``batch_size`` sets which rows make a step and what the optimizer schedule counts.
-``micro_batch_size`` is left out: the losses are normalised over the whole step, so it splits
-the same sums differently (float rounding only) and may change on resume (e.g. after running
-out of memory)."""
-
-
-class RowOrder:
-    """The order training rows are drawn in: each epoch a fresh shuffle of all rows (one
-    ``random.Random(seed)``), a step's rows taken in turn across epoch boundaries.
-
-    The state (`state_dict`) is the RNG state the current epoch was shuffled from and the
-    position in it: the rows still to come are that permutation's tail, shuffled again on
-    `load_state_dict`, so a checkpoint holds 625 integers rather than a list as long as the
-    dataset.
-
-    Args:
-        n_rows: Rows (SFT rows, preference pairs) to draw from, >= 1.
-        seed: Seed of the shuffles.
-    """
-
-    def __init__(self, n_rows: int, *, seed: int) -> None:
-        if n_rows < 1:
-            raise ConfigError("--dataset has no rows to train on")
-        self.n_rows = n_rows
-        self.rng = random.Random(seed)
-        self.epochs = 0
-        self.epoch_rng: tuple[Any, ...] = self.rng.getstate()
-        self.permutation: list[int] = []
-        self.position = 0
-
-    def _shuffle(self) -> None:
-        self.epoch_rng = self.rng.getstate()
-        self.permutation = list(range(self.n_rows))
-        self.rng.shuffle(self.permutation)
-        self.position = 0
-
-    def take(self, count: int) -> list[int]:
-        """The next ``count`` row indices."""
-        out: list[int] = []
-        while len(out) < count:
-            if self.position == len(self.permutation):
-                self._shuffle()
-                self.epochs += 1
-            chunk = self.permutation[self.position : self.position + count - len(out)]
-            out += chunk
-            self.position += len(chunk)
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = self.epoch_rng
-        return {
-            "rows": self.n_rows,
-            "epochs": self.epochs,
-            "position": self.position,
-            "epoch_rng": [version, list(internal), gauss],
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any], *, checkpoint: str) -> None:
-        """Continue from ``state``.
-
-        Raises:
-            ConfigError: when the dataset has another number of rows than the checkpoint's
-                (its positions would point at other rows), naming ``--dataset``.
-            CheckpointError: a state that does not read.
-        """
-        try:
-            rows, epochs, position = (int(state[k]) for k in ("rows", "epochs", "position"))
-            version, internal, gauss = state["epoch_rng"]
-            self.rng.setstate((version, tuple(internal), gauss))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(
-                f"{checkpoint}/trainer_state.json: its data order does not read: {exc!r}"
-            ) from None
-        if rows != self.n_rows:
-            raise ConfigError(
-                f"--ckpt.load_enable: --dataset has {self.n_rows} rows but {checkpoint} was "
-                f"written for {rows}: resume with the same data, or start a new --run_dir"
-            )
-        self.epoch_rng = self.rng.getstate()
-        self.epochs = epochs
-        self.permutation, self.position = [], 0
-        if self.epochs:
-            self._shuffle()  # the same permutation; the RNG ends where the run's did
-            self.position = position
-
-
-def rows_crc32(rows: Sequence[int]) -> int:
-    """A step's row indices as one number (``data/rows_crc32``: which rows made the step)."""
-    return zlib.crc32(json.dumps(list(rows)).encode())
 
 
 def check_resume(

@@ -2,7 +2,8 @@
 and directories written by ``datasets``' ``save_to_disk`` (``rlhf-learner[data]`` brings
 pyarrow and datasets), each error naming the file and, where there is one, the line. Several
 comma-separated sources blend by weight (`dataset_rows`, `blend_weights`) as OpenRLHF's
-``--data.dataset a,b --data.dataset_probs`` do."""
+``--data.dataset a,b --data.dataset_probs`` do. A trainer draws its rows in a `RowOrder`
+(shuffled epochs, resumable from a few integers)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import json
 import math
 import pathlib
 import random
-from collections.abc import Sequence
+import zlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _EXTRA = "rlhf-cli[data]"
@@ -177,3 +179,90 @@ def dataset_rows(
         if drawn[i] >= len(sources[i]):
             left.discard(i)
     return out[:max_samples]
+
+
+class RowOrder:
+    """The order training rows are drawn in: each epoch a fresh shuffle of all rows (one
+    ``random.Random(seed)``), a step's rows taken in turn across epoch boundaries.
+
+    The state (`state_dict`) is the RNG state the current epoch was shuffled from and the
+    position in it: the rows still to come are that permutation's tail, shuffled again on
+    `load_state_dict`, so a checkpoint holds 625 integers rather than a list as long as the
+    dataset.
+
+    Args:
+        n_rows: Rows (SFT rows, preference pairs) to draw from, >= 1.
+        seed: Seed of the shuffles.
+    """
+
+    def __init__(self, n_rows: int, *, seed: int) -> None:
+        if n_rows < 1:
+            raise DataSourceError("--dataset has no rows to train on")
+        self.n_rows = n_rows
+        self.rng = random.Random(seed)
+        self.epochs = 0
+        self.epoch_rng: tuple[Any, ...] = self.rng.getstate()
+        self.permutation: list[int] = []
+        self.position = 0
+
+    def _shuffle(self) -> None:
+        self.epoch_rng = self.rng.getstate()
+        self.permutation = list(range(self.n_rows))
+        self.rng.shuffle(self.permutation)
+        self.position = 0
+
+    def take(self, count: int) -> list[int]:
+        """The next ``count`` row indices."""
+        out: list[int] = []
+        while len(out) < count:
+            if self.position == len(self.permutation):
+                self._shuffle()
+                self.epochs += 1
+            chunk = self.permutation[self.position : self.position + count - len(out)]
+            out += chunk
+            self.position += len(chunk)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self.epoch_rng
+        return {
+            "rows": self.n_rows,
+            "epochs": self.epochs,
+            "position": self.position,
+            "epoch_rng": [version, list(internal), gauss],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, checkpoint: str) -> None:
+        """Continue from ``state``.
+
+        Raises:
+            DataSourceError: when the dataset has another number of rows than the
+                checkpoint's (its positions would point at other rows), naming ``--dataset``.
+            CheckpointError: a state that does not read.
+        """
+        try:
+            rows, epochs, position = (int(state[k]) for k in ("rows", "epochs", "position"))
+            version, internal, gauss = state["epoch_rng"]
+            self.rng.setstate((version, tuple(internal), gauss))
+        except (KeyError, TypeError, ValueError) as exc:
+            from rlhf.learner.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"{checkpoint}/trainer_state.json: its data order does not read: {exc!r}"
+            ) from None
+        if rows != self.n_rows:
+            raise DataSourceError(
+                f"--ckpt.load_enable: --dataset has {self.n_rows} rows but {checkpoint} was "
+                f"written for {rows}: resume with the same data, or start a new --run_dir"
+            )
+        self.epoch_rng = self.rng.getstate()
+        self.epochs = epochs
+        self.permutation, self.position = [], 0
+        if self.epochs:
+            self._shuffle()  # the same permutation; the RNG ends where the run's did
+            self.position = position
+
+
+def rows_crc32(rows: Sequence[int]) -> int:
+    """A step's row indices as one number (``data/rows_crc32``: which rows made the step)."""
+    return zlib.crc32(json.dumps(list(rows)).encode())

@@ -14,12 +14,13 @@ import functools
 import importlib.util
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rlhf.learner.capacity import DTYPE_BYTES, LearnerLoad, Memory, deepspeed_memory
 
 if TYPE_CHECKING:
     from rlhf.cli.sections import RoleConfig
+    from rlhf.learner import BackendFactory
 
 
 class LearnerBackend(Protocol):
@@ -33,7 +34,7 @@ class LearnerBackend(Protocol):
     """Model options built for this backend: ``qlora`` (``model.load_in_4bit``), ``liger``
     (``model.use_liger_kernel``)."""
 
-    def factory(self, role: RoleConfig) -> Any:
+    def factory(self, role: RoleConfig) -> BackendFactory:
         """The `rlhf.learner.BackendFactory` every rank calls."""
         ...
 
@@ -71,7 +72,7 @@ class DeepSpeed:
     context_parallel_flag = "deepspeed.ring_attn_size"
     features = frozenset({"qlora", "liger"})
 
-    def factory(self, role: RoleConfig) -> Any:
+    def factory(self, role: RoleConfig) -> BackendFactory:
         from rlhf.learner import DeepSpeedBackend
 
         ring = dataclasses.replace(role.deepspeed, ring_attn_size=role.context_parallel)
@@ -119,7 +120,7 @@ class Molt:
     context_parallel_flag = "fsdp.cp_size"
     features: frozenset[str] = frozenset()
 
-    def factory(self, role: RoleConfig) -> Any:
+    def factory(self, role: RoleConfig) -> BackendFactory:
         from rlhf.molt import FSDPBackend
 
         return functools.partial(FSDPBackend, fsdp=role.fsdp_options())
@@ -192,7 +193,7 @@ def backend_of(role: RoleConfig) -> LearnerBackend:
     return BACKENDS.get(role.backend, BACKENDS["deepspeed"])
 
 
-def backend_factory(role: RoleConfig) -> Any:
+def backend_factory(role: RoleConfig) -> BackendFactory:
     """The `rlhf.learner.BackendFactory` of ``role`` (validated: see `role_problems`)."""
     return BACKENDS[role.backend].factory(role)
 

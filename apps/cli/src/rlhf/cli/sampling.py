@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import types
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,8 +32,18 @@ from rlhf.cli.config import ConfigError
 from rlhf.cli.sections import RewardConfig, RolloutConfig, TrainConfig
 from rlhf.rollout.sampling import GroupFilter
 
+if TYPE_CHECKING:
+    from rlhf.agents import (
+        EnvironmentFactory,
+        Executor,
+        Generator,
+        RewardScorer,
+        SamplingParams,
+        SingleTurnExecutor,
+    )
 
-def reward_source(reward: RewardConfig) -> Any:
+
+def reward_source(reward: RewardConfig) -> RewardScorer:
     """The ``--reward.reward_func`` / ``--reward.remote_url`` scorer (`rlhf.agents`), under
     ``--reward.timeout_s`` and the failure policy (``config.resolved_reward()``: the older
     ``--train.*`` spellings filled in)."""
@@ -80,7 +91,7 @@ def reward_source(reward: RewardConfig) -> Any:
         ) from None
 
 
-def agent_module(path: str) -> Any:
+def agent_module(path: str) -> types.ModuleType:
     """The imported ``--train.agent_func_path`` file, or a `ConfigError` when it defines
     neither an ``Environment`` class nor an ``agent`` function."""
     from rlhf.agents.loading import load_module
@@ -114,7 +125,9 @@ def agent_module(path: str) -> Any:
     return module
 
 
-def agent_environments(module: Any, path: str, *, chat_template: bool) -> Any:
+def agent_environments(
+    module: types.ModuleType | None, path: str, *, chat_template: bool
+) -> EnvironmentFactory | None:
     """The agent file checked against the shape it has, before anything starts: its
     ``Environment`` class's factory (an instance can be made with no arguments), or, for an
     OpenAI-client ``agent``, a policy tokenizer with a chat template (``chat_template``) to
@@ -183,7 +196,7 @@ class Executors:
         self, *, tokenizer: Any, rollout: RolloutConfig, train: TrainConfig, reward: RewardConfig
     ) -> None:
         self.tokenizer, self.rollout = tokenizer, rollout
-        self.generator: Any = None
+        self.generator: Generator | None = None
         self.reward = reward_source(reward)
         self.agent_path = train.agent_func_path
         self.agent_max_turns = train.agent_max_turns
@@ -191,16 +204,21 @@ class Executors:
         self.agent_policy = (train.agent_failure_policy, train.agent_fallback_value)
         self.agent = agent_module(self.agent_path) if self.agent_path else None
         self.environments = self._environments(tokenizer)
-        self._training: Any = None
+        self._training: Executor | None = None
 
-    def _environments(self, tokenizer: Any) -> Any:
+    def _environments(self, tokenizer: Any) -> EnvironmentFactory | None:
         return agent_environments(
             self.agent,
             self.agent_path,
             chat_template=bool(getattr(tokenizer, "chat_template", None)),
         )
 
-    def _sampling(self, temperature: float) -> Any:
+    def _generator(self) -> Generator:
+        if self.generator is None:
+            raise RuntimeError("Executors.generator is set once the engines run, before sampling")
+        return self.generator
+
+    def _sampling(self, temperature: float) -> SamplingParams:
         from rlhf.agents import SamplingParams
 
         eos = self.tokenizer.eos_token_id
@@ -213,19 +231,19 @@ class Executors:
             stop_token_ids=(eos,) if eos is not None else (),
         )
 
-    def single_turn(self, temperature: float) -> Any:
+    def single_turn(self, temperature: float) -> SingleTurnExecutor:
         """Prompt → one completion, scored by the reward source."""
         from rlhf.agents import SingleTurnExecutor
 
         return SingleTurnExecutor(
             tokenizer=self.tokenizer,
-            generator=self.generator,
+            generator=self._generator(),
             reward=self.reward,
             sampling=self._sampling(temperature),
             max_len=self.rollout.max_len,
         )
 
-    def training(self) -> Any:
+    def training(self) -> Executor:
         """The executor of training rollouts (built once: an agent file is imported once)."""
         if self._training is None:
             self._training = (
@@ -233,14 +251,14 @@ class Executors:
             )
         return self._training
 
-    def _agent(self) -> Any:
+    def _agent(self) -> Executor:
         from rlhf.agents import FailurePolicy, MultiTurnExecutor, OpenAIAgentExecutor
 
         path, module = self.agent_path, self.agent
         assert module is not None  # only called when --train.agent_func_path is set
         common = {
             "tokenizer": self.tokenizer,
-            "generator": self.generator,
+            "generator": self._generator(),
             "sampling": self._sampling(self.rollout.temperature),
             "max_len": self.rollout.max_len,
         }

@@ -92,6 +92,41 @@ def test_collate_micro_batches_and_shard() -> None:
         collate([[1, 2, 3]], pad_token_id=0, per_token={"m": [[1, 1]]})
 
 
+def test_a_missing_field_stops_the_step_in_the_calling_process() -> None:
+    """An objective's declared fields are checked before anything reaches a rank: the role
+    here is not even built, so only the check can answer."""
+    from rlhf.learner import (
+        CriticObjective,
+        DPOObjective,
+        InProcessRole,
+        MissingFieldsError,
+        PPOActorObjective,
+        check_fields,
+    )
+
+    batch = collate(
+        [[1, 2, 3], [4, 5]],
+        pad_token_id=0,
+        per_token={"action_mask": [[0, 1, 1], [0, 1]], "advantages": [[0, 1, 1], [0, 2]]},
+    )
+    kl = AlgoConfig(kl=KLConfig(use_loss=True, init_coef=0.1))
+    role = InProcessRole()
+    with pytest.raises(
+        MissingFieldsError,
+        match=r"PPOActorObjective reads batch fields "
+        r"\['ref_logprobs'\], and the batch has \['action_mask', 'advantages'\]",
+    ):
+        role.train_step(batch, PPOActorObjective(algo=kl, normalizer=1.0, kl_coef=0.1))
+    # β = 0: no KL term, nothing missing; the unbuilt role answers instead.
+    with pytest.raises(RuntimeError, match="build"):
+        role.train_step(batch, PPOActorObjective(algo=kl, normalizer=1.0, kl_coef=0.0))
+    with pytest.raises(MissingFieldsError, match=r"\['old_values', 'returns'\]"):
+        check_fields(batch, CriticObjective(algo=kl, normalizer=1.0))
+    with pytest.raises(MissingFieldsError, match=r"\['loss_mask', 'ref_logps'\]"):
+        check_fields(batch, DPOObjective(normalizer=1.0))
+    check_fields(batch, lambda model, b: (model, b))  # declares nothing: not checked
+
+
 def test_sft_rows_mask_the_response_and_name_bad_rows(tokenizer) -> None:
     row = sft_row({"q": "what is 1 plus 2?", "a": "3"}, 0, tokenizer, input_key="q", output_key="a")
     assert len(row.input_ids) == len(row.loss_mask)

@@ -12,7 +12,15 @@ may import ``rlhf.algos`` and ``rlhf.weights`` only.
 from typing import TYPE_CHECKING, Any
 
 from rlhf.learner.backend import Backend, BackendFactory, Objective
-from rlhf.learner.batch import Batch, FieldName, collate, micro_batches, shard
+from rlhf.learner.batch import (
+    Batch,
+    FieldName,
+    MissingFieldsError,
+    check_fields,
+    collate,
+    micro_batches,
+    shard,
+)
 from rlhf.learner.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -108,6 +116,7 @@ __all__ = [
     "LearnerConfig",
     "LearnerGroup",
     "MicroBatching",
+    "MissingFieldsError",
     "ModelConfig",
     "ModelLoadError",
     "Objective",
@@ -124,6 +133,7 @@ __all__ = [
     "batch_logprobs",
     "build_optimizer",
     "check_chunked_lm_head",
+    "check_fields",
     "check_model_dir",
     "check_packing",
     "checkpoint_names",

@@ -198,3 +198,26 @@ def shard(groups: Sequence[Sequence[int]], world_size: int) -> list[list[list[in
     for i, g in enumerate(groups):
         per_rank[i % world_size].append(list(g))
     return per_rank
+
+
+def check_fields(batch: Batch, objective: object) -> None:
+    """Raise `MissingFieldsError` in the calling process when ``batch`` lacks a field that
+    ``objective`` declares it reads (its ``fields()``; an objective that declares none is not
+    checked), instead of a KeyError inside a rank after the batch was shipped."""
+    declared = getattr(objective, "fields", None)
+    if declared is None:
+        return
+    missing = sorted(set(declared()) - set(batch.fields))
+    if missing:
+        raise MissingFieldsError(
+            f"{type(objective).__name__} reads batch fields {missing}, and the batch has "
+            f"{sorted(batch.fields)}: the phase that makes them did not run (a reference for "
+            "ref_logprobs, a critic for old_values/returns, the advantages step)"
+        )
+
+
+class MissingFieldsError(KeyError):
+    """A batch lacks a field its objective reads; the message names both."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

@@ -32,7 +32,7 @@ from rlhf.algos import (
     reward_model_loss,
     sft_loss,
 )
-from rlhf.learner.batch import Batch
+from rlhf.learner.batch import Batch, FieldName
 from rlhf.learner.forward import batch_logprobs, sequence_scores, token_values
 
 Metrics = dict[str, Tensor]
@@ -62,6 +62,15 @@ class PPOActorObjective:
     kl_coef: float = 0.0
     temperature: float = 1.0
     entropy_metric: bool = True
+
+    def fields(self) -> frozenset[FieldName]:
+        """The batch fields this step reads (`rlhf.learner.batch.check_fields`)."""
+        needed: set[FieldName] = {"action_mask", "advantages"}
+        if self.algo.kl.use_loss and self.kl_coef != 0:
+            needed.add("ref_logprobs")
+        if self.algo.rollout_correction is not None:
+            needed.add("rollout_logprobs")
+        return frozenset(needed)
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         algo = self.algo
@@ -134,6 +143,10 @@ class CriticObjective:
     algo: AlgoConfig
     normalizer: float
 
+    def fields(self) -> frozenset[FieldName]:
+        """The batch fields this step reads (`rlhf.learner.batch.check_fields`)."""
+        return frozenset({"action_mask", "old_values", "returns"})
+
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         values = token_values(
             model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
@@ -174,6 +187,10 @@ class SFTObjective:
 
     normalizer: float
 
+    def fields(self) -> frozenset[FieldName]:
+        """The batch fields this step reads (`rlhf.learner.batch.check_fields`)."""
+        return frozenset({"loss_mask"})
+
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         logprobs, _ = batch_logprobs(model, batch)
         return sft_loss(logprobs=logprobs, loss_mask=batch["loss_mask"], normalizer=self.normalizer)
@@ -199,6 +216,11 @@ class RewardModelObjective:
 
     normalizer: float
     loss_type: str = "sigmoid"
+
+    def fields(self) -> frozenset[FieldName]:
+        """The batch fields this step reads (`rlhf.learner.batch.check_fields`): none required
+        (``margin`` is optional)."""
+        return frozenset()
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         scores = sequence_scores(
@@ -240,6 +262,10 @@ class DPOObjective:
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
     nll_coef: float = 0.0
+
+    def fields(self) -> frozenset[FieldName]:
+        """The batch fields this step reads (`rlhf.learner.batch.check_fields`)."""
+        return frozenset({"loss_mask", "ref_logps"})
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         logps = sequence_logps(model, batch)

@@ -23,7 +23,7 @@ from typing import Any
 
 from rlhf.learner import checkpoint as ckpt
 from rlhf.learner.backend import BackendFactory, Objective
-from rlhf.learner.batch import Batch
+from rlhf.learner.batch import Batch, check_fields
 from rlhf.learner.config import LearnerConfig
 from rlhf.learner.role import (
     ForwardFn,
@@ -312,6 +312,7 @@ class LearnerGroup:
     ) -> dict[str, float]:
         """`rlhf.learner.Role.train_step`: one optimizer step on ``batch`` split over the
         ranks."""
+        check_fields(batch, objective)
         parts = self.split(batch, max_tokens=max_tokens, max_rows=max_rows)
         return self._train(parts, objective)
 
@@ -327,6 +328,8 @@ class LearnerGroup:
         without any runs a weight-0 copy. ``loss`` is the global loss."""
         if not micro_batches:
             raise ValueError("train_micro_batches needs at least one micro-batch")
+        for micro in micro_batches:
+            check_fields(micro, objective)
         scale = [1.0] * len(micro_batches) if weights is None else list(weights)
         n = len(self._leaders())
         parts = [

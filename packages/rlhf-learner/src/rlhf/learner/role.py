@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from rlhf.learner.backend import Backend, BackendFactory, Objective
-from rlhf.learner.batch import Batch, micro_batches, shard
+from rlhf.learner.batch import Batch, check_fields, micro_batches, shard
 from rlhf.learner.config import LearnerConfig
 from rlhf.learner.rank import combine_metric
 
@@ -180,6 +180,7 @@ class InProcessRole:
         max_tokens: int | None = None,
         max_rows: int | None = None,
     ) -> dict[str, float]:
+        check_fields(batch, objective)
         micro, weights, _ = self._work(batch, max_tokens, max_rows)
         out = self._live().train_micro_batches(micro, objective, weights=weights)
         return merge_train_metrics([out])

@@ -88,39 +88,63 @@ def test_the_check_sees_a_drifted_signature() -> None:
 
 
 def test_a_registered_backend_answers_for_its_roles(monkeypatch) -> None:
-    """A third backend registered in `rlhf.cli.backends.BACKENDS` is what the role, the plan,
-    the planner and validation ask: no branch on backend names stands in its way."""
+    """A third backend entry registered in `rlhf.cli.backends.BACKENDS` is what the role, the
+    plan, the planner and validation ask: no branch on backend names stands in its way."""
     from rlhf.cli import backends
     from rlhf.cli.dry_run import compute_bytes
     from rlhf.cli.plan import trains_on
     from rlhf.cli.sections import RoleConfig
+    from rlhf.molt.entry import MoltEntry
 
-    class Toy(backends.Molt):
+    class Toy(MoltEntry):
         name = "toy"
-        context_parallel_flag = "toy.cp"
+        context_parallel_flag = "fsdp.toy_cp"
 
-        def tensor_parallel(self, role) -> int:
+        def tensor_parallel(self, options) -> int:
             return 4
 
-        def own_context_parallel(self, role) -> int:
+        def own_context_parallel(self, options) -> int:
             return 2
 
-        def compute_bytes(self, role) -> int:
+        def compute_bytes(self, options, model) -> int:
             return 1
 
-        def describe(self, role) -> str:
-            return "toy (tp 4)"
+        def describe(self, options, *, num_ranks: int, context_parallel: int) -> str:
+            return f"toy (tp 4, cp {context_parallel}, {num_ranks} ranks)"
 
-        def problems(self, role, *, flag: str) -> list[str]:
-            return [f"--{flag}.backend toy needs nothing but this test"]
+        def problems(self, options, role, *, flag: str) -> list[str]:
+            return [f"--{flag}.backend toy needs nothing but this test ({role.num_ranks})"]
 
     monkeypatch.setitem(backends.BACKENDS, "toy", Toy())
     role = RoleConfig(backend="toy", num_ranks=8)
     assert (role.tensor_parallel, role.context_parallel) == (4, 2)
-    assert trains_on(role) == "toy (tp 4)" and compute_bytes(role) == 1
+    assert trains_on(role) == "toy (tp 4, cp 2, 8 ranks)" and compute_bytes(role) == 1
     assert backends.role_problems(role, flag="actor")[-1] == (
-        "--actor.backend toy needs nothing but this test"
+        "--actor.backend toy needs nothing but this test (8)"
     )
     assert backends.role_problems(RoleConfig(backend="nope"), flag="actor") == [
         "--actor.backend must be one of deepspeed, molt, toy, got 'nope'"
     ]
+
+
+def test_options_of_another_backend_are_refused_by_name() -> None:
+    """``--actor.fsdp.*`` on the deepspeed backend, ``--actor.deepspeed.*`` on molt: the
+    role's backend never reads them, so the run refuses them instead of ignoring them."""
+    from rlhf.cli.backends import role_problems
+    from rlhf.cli.sections import RoleConfig
+    from rlhf.learner import DeepSpeedConfig
+    from rlhf.molt import FSDPConfig
+
+    on_deepspeed = RoleConfig(fsdp=FSDPConfig(offload="optimizer", compile=True))
+    assert role_problems(on_deepspeed, flag="actor") == [
+        "--actor.fsdp.offload, --actor.fsdp.compile configure the molt backend, and "
+        "--actor.backend is deepspeed, which does not read them: add --actor.backend molt, or "
+        "drop them (deepspeed's own options are --actor.deepspeed.*)"
+    ]
+    on_molt = RoleConfig(backend="molt", deepspeed=DeepSpeedConfig(zero_stage=3))
+    assert role_problems(on_molt, flag="critic") == [
+        "--critic.deepspeed.zero_stage configure the deepspeed backend, and --critic.backend is "
+        "molt, which does not read them: add --critic.backend deepspeed, or drop them (molt's "
+        "own options are --critic.fsdp.*)"
+    ]
+    assert role_problems(RoleConfig(backend="molt", fsdp=FSDPConfig(compile=True)), flag="a") == []

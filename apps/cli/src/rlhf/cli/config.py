@@ -205,7 +205,7 @@ class RLConfig:
     def offloadable_stages(self) -> bool:
         """Every trained role's states can leave the device between phases (ZeRO-1/2, or
         the molt backend)."""
-        return all(backend_of(role).offloadable(role) for role in self.trained_roles)
+        return all(backend_of(role).offloadable() for role in self.trained_roles)
 
     def offloads_learners(self, *, gpu: bool) -> bool:
         """Whether hybrid placement may move the actor's (and critic's) states between phases

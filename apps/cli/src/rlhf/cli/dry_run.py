@@ -63,7 +63,7 @@ def lora_params(shape: ModelShape, *, rank: int, targets: tuple[str, ...]) -> in
 
 def compute_bytes(role: RoleConfig) -> int:
     """Bytes per element of the role's compute dtype."""
-    return backend_of(role).compute_bytes(role)
+    return backend_of(role).compute_bytes()
 
 
 def learner_memory(
@@ -97,7 +97,7 @@ def learner_memory(
         layer_tensors=shape.layer_tensors,
         other_tensors=shape.other_tensors,
     )
-    return backend_of(role).memory(role, load)
+    return backend_of(role).memory(load)
 
 
 def micro_batch_tokens(*, rows: int, max_len: int, budget: int) -> int:

@@ -58,7 +58,7 @@ def trains_on(role: RoleConfig) -> str:
     is split over context-parallel ranks, and ``, compiled`` with ``fsdp.compile``; on
     DeepSpeed ``, dp <n> x ring <m>`` with ring attention, ``, dp <n> x tp <m> (AutoTP)`` with
     ``deepspeed.tp_size`` and ``, DeepCompile`` with ``deepspeed.deepcompile``."""
-    return backend_of(role).describe(role)
+    return backend_of(role).describe()
 
 
 def mode(t: TrainConfig) -> str:

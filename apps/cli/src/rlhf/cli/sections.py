@@ -157,7 +157,7 @@ class RoleConfig:
     def context_parallel_sizes(self) -> set[int]:
         """The context-parallel sizes set on this role's backend (more than one: they
         conflict; none: 1)."""
-        return {self.ring_attn_size, backend_of(self).own_context_parallel(self)} - {1}
+        return {self.ring_attn_size, backend_of(self).own_context_parallel()} - {1}
 
     @property
     def context_parallel(self) -> int:
@@ -168,10 +168,6 @@ class RoleConfig:
         """The role for `rlhf.learner` (``train`` False: eval-only, no optimizer)."""
         optimizer = dataclasses.replace(self.optimizer, total_steps=max(total_steps, 1))
         return LearnerConfig(model=self.model, optimizer=optimizer if train else None, seed=seed)
-
-    def fsdp_options(self) -> FSDPConfig:
-        """The molt backend's options, ``ring_attn_size`` applied as ``cp_size``."""
-        return dataclasses.replace(self.fsdp, cp_size=self.context_parallel)
 
     def eval_only(self, *, offload: bool) -> RoleConfig:
         """A scoring role modelled on this one (the reference, the reward model): one rank;
@@ -193,7 +189,7 @@ class RoleConfig:
     def tensor_parallel(self) -> int:
         """The tensor-parallel size on the role's backend (``fsdp.tp_size`` or
         ``deepspeed.tp_size``)."""
-        return backend_of(self).tensor_parallel(self)
+        return backend_of(self).tensor_parallel()
 
     def with_model(self, **changes: object) -> RoleConfig:
         """This role with ``model`` fields changed."""

@@ -13,6 +13,7 @@ def plan(config: RLConfig) -> list[str]:
     """The derived plan, one line per topic."""
     r, t = config.rollout, config.train
     samples = r.batch_size * r.n_samples_per_prompt
+    processes = config.processes()
     return [
         f"prompts/step {r.batch_size}, samples/step {samples} "
         f"({r.n_samples_per_prompt} per prompt), max new tokens {r.max_new_tokens}",
@@ -45,8 +46,8 @@ def plan(config: RLConfig) -> list[str]:
             if config.uses_critic
             else ""
         ),
-        describe(plan_bundles(config.processes())),
-        *filter(None, [describe_nodes(config.processes())]),
+        describe(plan_bundles(processes)),
+        *filter(None, [describe_nodes(processes)]),
         mode(t),
     ]
 

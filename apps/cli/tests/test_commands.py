@@ -307,11 +307,11 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
                 "--train.colocate_all",
                 "True",
                 "--actor.deepspeed.zero_stage",
-                "3",
+                "0",
                 "--train.deepspeed_enable_sleep",
                 "True",
             ],
-            "set --actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1 or 2",
+            "set --actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1, 2 or 3",
         ),
         (
             ["--MODEL", "--train.deepspeed_enable_sleep", "True"],

@@ -101,7 +101,9 @@ def test_learners_offload_by_default_only_where_it_frees_device_memory() -> None
     assert ppo.offloads_learners(gpu=True)
     assert not ppo.offloads_learners(gpu=False)  # a CPU's states are in host memory already
     zero3 = replace(ppo, **{"critic.deepspeed.zero_stage": 3})
-    assert not zero3.offloads_learners(gpu=True)  # DeepSpeed offloads ZeRO-1/2 states only
+    assert zero3.offloads_learners(gpu=True)  # ZeRO-3's states move too (zero3_offload)
+    zero0 = replace(ppo, **{"critic.deepspeed.zero_stage": 0})
+    assert not zero0.offloads_learners(gpu=True)  # ZeRO-0 keeps no partitions to move
     forced = replace(ppo, **{"train.deepspeed_enable_sleep": True})
     assert forced.offloads_learners(gpu=False)
     off = replace(ppo, **{"train.deepspeed_enable_sleep": False})

@@ -198,7 +198,7 @@ def test_each_alias_parses_to_the_fields_it_claims(entry_point: str, row: openrl
         ),
         (
             ["--ds.zero_stage", "3", "--ds.enable_sleep"],
-            {"actor.deepspeed.zero_stage": 3, "train.deepspeed_enable_sleep": None},
+            {"actor.deepspeed.zero_stage": 3, "train.deepspeed_enable_sleep": True},
         ),
         (["--train.num_episodes", "2"], {"train.num_episodes": 2}),
     ],
@@ -232,10 +232,28 @@ def test_openrlhf_rollout_correction_is_ours_with_its_names() -> None:
     )
 
 
-def test_zero3_sleep_is_a_note(capsys: pytest.CaptureFixture[str]) -> None:
-    parse_rl("ppo", ["--ds.zero_stage", "3", "--ds.enable_sleep"])
-    assert "--ds.enable_sleep under --ds.zero_stage 3 is accepted and has no effect" in (
+def test_sleep_under_async_is_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    """OpenRLHF's async pipeline with ``--train.colocate_all`` colocates the learner models
+    only: the engines keep their GPUs, so ``--ds.enable_sleep`` has nothing to make room for."""
+    flags = ["--ds.zero_stage", "3", "--ds.enable_sleep", "--train.colocate_all"]
+    config = parse_rl("ppo", [*flags, "--train.async_enable"])
+    assert config.train.deepspeed_enable_sleep is None and not config.train.colocate_all
+    assert "--ds.enable_sleep with --train.async_enable is accepted and has no effect" in (
         capsys.readouterr().err
+    )
+    assert parse_rl("ppo", flags).train.deepspeed_enable_sleep is True
+
+
+def test_zero0_sleep_is_refused_naming_the_flags() -> None:
+    """ZeRO-1/2/3 learners move their states under ``--ds.enable_sleep``; ZeRO-0 keeps no
+    partitions to move, and the refusal names our flags."""
+    from rlhf.cli.config import ConfigError
+
+    config = parse_rl("ppo", ["--ds.zero_stage", "0", "--ds.enable_sleep", "--train.colocate_all"])
+    with pytest.raises(ConfigError, match="--train.deepspeed_enable_sleep True offloads") as err:
+        config.validate()
+    assert "--actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1, 2 or 3" in str(
+        err.value
     )
 
 

@@ -47,11 +47,13 @@ def test_a_hybrid_run_puts_every_role_in_one_placement_group(assets, tmp_path) -
         "--train.ref_reward_offload", "True",
         "--ckpt.save_steps", "1",
         "--train.deepspeed_enable_sleep", "True",  # off by default on CPU: nothing to free
+        "--actor.deepspeed.zero_stage", "3",  # the critic keeps ZeRO-2: both kinds of move
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert "colocation: bundles all: actor0+critic0+engines0+ref0" in out.stdout
-    # On CPU the engines keep their memory; forced here, the actor's and critic's DeepSpeed
-    # states go through the offload/reload round trip every step (a checkpoint in between).
+    # On CPU the engines keep their memory; forced here, the actor's (ZeRO-3) and critic's
+    # (ZeRO-2) DeepSpeed states go through the offload/reload round trip every step (a
+    # checkpoint in between).
     assert "engines keep their memory" in out.stdout
     assert "their weights too while the engines generate" in out.stdout
     assert "parameters offloaded to CPU" in out.stdout

@@ -203,13 +203,13 @@ class RLConfig:
 
     @property
     def offloadable_stages(self) -> bool:
-        """Every trained role's states can leave the device between phases (ZeRO-1/2, or
+        """Every trained role's states can leave the device between phases (ZeRO-1/2/3, or
         the molt backend)."""
         return all(backend_of(role).offloadable() for role in self.trained_roles)
 
     def offloads_learners(self, *, gpu: bool) -> bool:
         """Whether hybrid placement may move the actor's (and critic's) states between phases
-        (``--train.deepspeed_enable_sleep``; unset: on GPUs, for ZeRO-1/2, and then only
+        (``--train.deepspeed_enable_sleep``; unset: on GPUs, for ZeRO-1/2/3, and then only
         when `rlhf.cli.hybrid.Headroom` says memory requires it)."""
         flag = self.train.deepspeed_enable_sleep
         if not self.train.colocate_all or flag is False:

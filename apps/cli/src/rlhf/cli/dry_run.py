@@ -239,7 +239,7 @@ def judge(gpu: Gpu, *, config: RLConfig | None, gpu_bytes: float) -> tuple[bool,
         return True, f"{together / GIB:.1f} GiB with every process resident (no moves)"
     sleeps = config.vllm.enable_sleep is not False
     # As the run decides: never when turned off, and only for stages whose states can move
-    # (ZeRO-1/2, molt) unless forced.
+    # (ZeRO-1/2/3, molt) unless forced.
     offloads = config.offloads_learners(gpu=True)
     training = peak + (0.0 if sleeps else gpu.engine_share)
     generation = gpu.engine_share + (0.0 if offloads else resident)

@@ -15,7 +15,7 @@ Engines sleep only where vLLM can (``--vllm.enable_sleep`` on GPUs). By default 
 the first step's training only, which measures what training adds to the learners' memory
 (`TrainingPeak`); from the second step they stay awake when that fits next to them, so a run
 whose roles all fit pays no sleep or wake at all. Learners offload under
-``--train.deepspeed_enable_sleep`` (by default on GPUs with ZeRO-1/2 or the molt backend when
+``--train.deepspeed_enable_sleep`` (by default on GPUs with ZeRO-1/2/3 or the molt backend when
 memory requires it,
 `learner_moves_needed`; forced on a CPU machine, their states stay in host memory while the
 backends re-link their buffers, so the CPU tests run the same schedule). Checkpoints and the
@@ -220,7 +220,7 @@ class TurnTaking:
             "the sync, their weights too while the engines generate"
             if self.offload_learners
             else "learners keep their states (--train.deepspeed_enable_sleep: by default on "
-            "GPUs with ZeRO-1/2 or molt when memory requires it)"
+            "GPUs with ZeRO-1/2/3 or molt when memory requires it)"
         )
         return f"hybrid turn-taking: {engines}; {learners}" + (f" ({self.why})" if self.why else "")
 

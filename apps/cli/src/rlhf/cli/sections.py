@@ -280,11 +280,11 @@ class TrainConfig(LoggingConfig):
             optimizer states, fp32 master weights and gradient partitions leave the device
             for the weight sync, and their model weights too while the engines generate
             (`rlhf.cli.hybrid`; OpenRLHF's ``--deepspeed_enable_sleep``). None (default):
-            on GPUs when both roles run ZeRO-1/2 or molt and memory requires it (the GPU's free
+            on GPUs when both roles run ZeRO-1/2/3 or molt and memory requires it (the GPU's free
             memory with every role started, less the optimizer states the first step adds,
             under 5 % of the device; the plan prints the numbers); True: always
-            (needs ZeRO-1/2 or molt; on a CPU machine the states make the round trip in host memory,
-            which frees nothing and costs time); False: never.
+            (needs ZeRO-1/2/3 or molt; on a CPU machine the states make the round trip in
+            host memory, which frees nothing and costs time); False: never.
         ref_reward_offload: Build the reference and the reward model with ZeRO-3 and their
             parameters offloaded to the CPU between uses (OpenRLHF's ``--ref_reward_offload``).
         weight_transport: How the actor's weights reach the engines (`rlhf.weights`):

@@ -312,8 +312,8 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
         (
             config.train.deepspeed_enable_sleep is True and not config.offloadable_stages,
             "--train.deepspeed_enable_sleep True offloads the learners' states between "
-            "phases, which DeepSpeed does for ZeRO-1/2 (and the molt backend always): set "
-            "--actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1 or 2, "
+            "phases, which ZeRO-1/2/3 do (and the molt backend always), ZeRO-0 not: set "
+            "--actor.deepspeed.zero_stage (and --critic.deepspeed.zero_stage) to 1, 2 or 3, "
             "or leave the flag unset",
         ),
         (

@@ -1,6 +1,7 @@
 """The DeepSpeed implementation of `rlhf.learner.Backend`.
 
 ZeRO 0–3, optimizer/parameter CPU offload, bf16 with fp32 master weights, gradient clipping,
+hybrid placement's state moves at ZeRO 1–3 (`offload_states`),
 torch AdamW with the schedule of `rlhf.learner.optim` (no compiled extension is needed).
 At float32 ZeRO-0 DeepSpeed steps that optimizer unwrapped and keeps no gradient norm, so the
 backend clips and measures it there (`_owns_clipping`).
@@ -63,6 +64,7 @@ from rlhf.learner.tensor_parallel import (
     tensor_parallel_problems,
     write_saved_tp_size,
 )
+from rlhf.learner.zero3_offload import MASTER, MOMENTS, MasterOffload
 
 _BUILD_LOCK_NOTICE_S = float(os.environ.get("RLHF_BUILD_LOCK_NOTICE_S", "120"))
 
@@ -207,6 +209,7 @@ class DeepSpeedBackend:
         torch.manual_seed(config.seed)
         self._ds_config = ds_config(config, ds)
         self._hf_ds: Any = None
+        self._master_offload: MasterOffload | None = None  # ZeRO-3 `offload_states`
         if ds.zero_stage == 3:
             from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
@@ -347,8 +350,11 @@ class DeepSpeedBackend:
         """Move this rank's optimizer states, fp32 master weights and gradient partitions
         (with ``weights`` also the bf16/fp32 model weights) to host memory (pinned on CUDA),
         so colocated vLLM engines can use the GPU; `reload_states` brings them back before
-        the next forward. On a CPU rank the states stay where they are while DeepSpeed
-        re-links its buffers as on a GPU. Idempotent per state.
+        the next forward. ZeRO-1/2 move through DeepSpeed's ``offload_states``; ZeRO-3 moves
+        its partitions and buffers there too, and its master weights and Adam moments through
+        `rlhf.learner.zero3_offload` (DeepSpeed moves those only under its compiled FusedAdam).
+        On a CPU rank the states stay in host memory while their storage is re-linked as on
+        a GPU. Idempotent per state.
 
         Returns:
             ``allocated_gib_before`` / ``allocated_gib_after``: this process's CUDA
@@ -360,15 +366,19 @@ class DeepSpeedBackend:
         )
 
         engine = self._offloadable()
+        pin = self.device.type == "cuda"
+        moved_here = set() if self._master_offload is None else {MASTER, MOMENTS}
         include = [
-            s for s in OffloadStateTypeEnum if weights or s != OffloadStateTypeEnum.lp_params
+            s
+            for s in OffloadStateTypeEnum
+            if (weights or s != OffloadStateTypeEnum.lp_params) and s.value not in moved_here
         ]
         before = shared.allocated_gib(self.device)
-        engine.offload_states(
-            include=include,
-            device=OffloadDeviceEnum.cpu,
-            pin_memory=self.device.type == "cuda",
-        )
+        engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=pin)
+        if self._master_offload is not None:
+            self._master_offload.offload(device=self.device, pin_memory=pin)
+            if pin:
+                torch.cuda.empty_cache()  # the moved storage's blocks, for the engines
         return {
             "allocated_gib_before": before,
             "allocated_gib_after": shared.allocated_gib(self.device),
@@ -379,6 +389,8 @@ class DeepSpeedBackend:
         engine = self._offloadable()
         before = shared.allocated_gib(self.device)
         engine.reload_states()
+        if self._master_offload is not None:
+            self._master_offload.reload()
         return {
             "allocated_gib_before": before,
             "allocated_gib_after": shared.allocated_gib(self.device),
@@ -386,7 +398,10 @@ class DeepSpeedBackend:
 
     def offloaded_states(self) -> list[str]:
         """Names of the states now off the device (DeepSpeed's ``OffloadStateTypeEnum``)."""
-        return sorted(s.value for s in self._offloadable().optimizer.offloaded_states)
+        names = {s.value for s in self._offloadable().optimizer.offloaded_states}
+        if self._master_offload is not None:
+            names |= self._master_offload.offloaded
+        return sorted(names)
 
     def _offloadable(self) -> Any:
         ds = self.deepspeed
@@ -395,12 +410,13 @@ class DeepSpeedBackend:
                 "offload_states needs a training role (an optimizer); an eval-only role keeps "
                 "its weights or offloads them with deepspeed.offload_params under ZeRO-3"
             )
-        if ds.zero_stage not in (1, 2):
+        if ds.zero_stage == 0:
             raise RuntimeError(
-                f"offload_states needs deepspeed.zero_stage 1 or 2 (got {ds.zero_stage}): "
-                "DeepSpeed moves ZeRO-1/2 partitions with any torch optimizer, while its "
-                "ZeRO-3 offload needs its compiled FusedAdam and ZeRO-0 has no partitions"
+                "offload_states needs deepspeed.zero_stage 1, 2 or 3 (got 0): ZeRO-0 keeps no "
+                "partitions for DeepSpeed to move"
             )
+        if ds.zero_stage == 3 and self._master_offload is None:
+            self._master_offload = MasterOffload(self.engine.optimizer)
         return self.engine
 
     # -- checkpoints and export ----------------------------------------------------------

@@ -41,7 +41,7 @@ class DeepSpeedEntry:
         return 2 if options.bf16 else DTYPE_BYTES.get(model.dtype, 4)
 
     def offloadable(self, options: DeepSpeedConfig) -> bool:
-        return options.zero_stage in (1, 2)
+        return options.zero_stage in (1, 2, 3)
 
     def describe(self, options: DeepSpeedConfig, *, num_ranks: int, context_parallel: int) -> str:
         cp, tp = context_parallel, options.tp_size

@@ -86,37 +86,33 @@ def _correction_of_0_11_0(given: dict[str, list[str]]) -> dict[str, list[str]]:
     }
 
 
-def _sleep(given: dict[str, list[str]]) -> list[str]:
-    """``--ds.zero_stage`` for the actor and the critic, and ``--ds.enable_sleep``: the
-    learners' states leave the GPU between phases (``--train.deepspeed_enable_sleep``), which
-    is built for ZeRO-1/2; under ZeRO-3 they stay (a note says so; the plan shows whether the
-    run fits)."""
-    tokens = []
-    stage = given.get("ds.zero_stage", [None])[0]
-    if stage is not None:
-        tokens += [t for role in ("actor", "critic")
-                   for t in (f"--{role}.deepspeed.zero_stage", stage)]  # fmt: skip
-    if switch(given.get("ds.enable_sleep", ["False"])) == "True":
-        if stage == "3":
-            tokens.append(
-                f"{NOTE}--ds.enable_sleep under --ds.zero_stage 3 is accepted and has no "
-                "effect here: the learners' states stay on the GPU (their offload is built for "
-                "ZeRO-1/2); the engines still sleep with --vllm.enable_sleep"
-            )
-        else:
-            tokens += ["--train.deepspeed_enable_sleep", "True"]
-    return tokens
+def _zero_stage(given: dict[str, list[str]]) -> list[str]:
+    """``--ds.zero_stage``: the actor's and the critic's stage."""
+    stage = given["ds.zero_stage"][0]
+    return [t for role in ("actor", "critic") for t in (f"--{role}.deepspeed.zero_stage", stage)]
 
 
 def _colocate(given: dict[str, list[str]]) -> list[str]:
     """``--train.colocate_all`` and ``--train.async_enable``: together they colocate the
     learner models only (OpenRLHF's meaning: the engines keep their own resources so that
-    sampling runs ahead), here the reference beside the actor; alone, each is itself."""
+    sampling runs ahead), here the reference beside the actor; alone, each is itself.
+    ``--ds.enable_sleep``: the learners' states leave the GPU between phases
+    (``--train.deepspeed_enable_sleep``, ZeRO-1/2/3; the run's validation refuses ZeRO-0 and
+    a line without ``--train.colocate_all``, naming the flags); under the async pipeline the
+    engines have GPUs of their own, so it is a note there."""
     colocate = switch(given.get("train.colocate_all", ["False"]))
     asynchronous = switch(given.get("train.async_enable", ["False"]))
     tokens = []
     if "train.async_enable" in given:
         tokens += ["--train.async_enable", asynchronous]
+    if switch(given.get("ds.enable_sleep", ["False"])) == "True":
+        if asynchronous == "True":
+            tokens.append(
+                f"{NOTE}--ds.enable_sleep with --train.async_enable is accepted and has no "
+                "effect here: the engines keep their own resources, so the learners' states stay"
+            )
+        else:
+            tokens += ["--train.deepspeed_enable_sleep", "True"]
     if colocate == "True" and asynchronous == "True":
         return [
             *tokens,
@@ -201,7 +197,7 @@ FINISHERS: dict[str, Callable[[dict[str, list[str]]], list[str]]] = {
     "dynamic_batch": _dynamic_batch,
     "clip": _clip,
     "wandb_key": _wandb_key,
-    "sleep": _sleep,
+    "zero_stage": _zero_stage,
     "colocate": _colocate,
     "wandb_key_top": _wandb_key_top,
     "multiturn": _multiturn,
@@ -224,10 +220,9 @@ GROUP_DOCS = {
     "margin": "`--margin_key margin` (OpenRLHF's margin field)",
     "ipo": "`--loss_type ipo`",
     "colocate": "each itself; together, the learner models only are colocated (OpenRLHF's "
-    "meaning): `--train.colocate_actor_ref`",
-    "sleep": "`--actor.deepspeed.zero_stage`, `--critic.deepspeed.zero_stage`; "
-    "`--train.deepspeed_enable_sleep` under ZeRO-1/2 (under ZeRO-3 the learners' states stay, "
-    "with a note)",
+    "meaning): `--train.colocate_actor_ref`; `--ds.enable_sleep`: "
+    "`--train.deepspeed_enable_sleep` (a note under `--train.async_enable`)",
+    "zero_stage": "`--actor.deepspeed.zero_stage`, `--critic.deepspeed.zero_stage`",
     "ref_model": "`--model.model.path`; the reference is the initial model, so a "
     "`--ref.model_name_or_path` must be the same path",
 }

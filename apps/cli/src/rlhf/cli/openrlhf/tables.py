@@ -201,8 +201,8 @@ def _ppo_rows() -> list[Row]:
     # Checkpoints.
     add("ckpt.best_metric_key", "one", alias("eval.best_metric", values=best_metric))
     # DeepSpeed, for the actor and the critic alike.
-    add("ds.zero_stage", "one", Gathered("sleep"))
-    add("ds.enable_sleep", "switch", Gathered("sleep"))
+    add("ds.zero_stage", "one", Gathered("zero_stage"))
+    add("ds.enable_sleep", "switch", Gathered("colocate"))
     rows += _common_rows(
         deepspeed=lambda name: both(f"deepspeed.{name}"),
         model=lambda name: both(f"model.{name}"),

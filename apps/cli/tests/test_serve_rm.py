@@ -168,3 +168,41 @@ def test_without_a_model_path_the_flag_is_named() -> None:
         [sys.executable, "-m", "rlhf.cli", "serve-rm"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 2 and "--model_path" in out.stderr
+
+
+def test_a_4bit_model_scores_as_its_dequantised_weights(reward_model) -> None:
+    """``--load_in_4bit`` (OpenRLHF's ``--ds.load_in_4bit``): the decoder's linear layers load
+    as bitsandbytes NF4 (uint8), the score head stays dense, and each score is what a dense
+    model with the dequantised weights gives for that text."""
+    from bitsandbytes.functional import dequantize_4bit
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from rlhf.cli.serve_rm import RewardModelScorer, ServeRMConfig
+
+    config = ServeRMConfig(model_path=str(reward_model), batch_size=3, load_in_4bit=True)
+    scorer = RewardModelScorer(config)
+    quantised = {
+        name: module
+        for name, module in scorer.model.named_modules()
+        if type(module).__name__ == "Linear4bit"
+    }
+    assert "model.layers.0.mlp.up_proj" in quantised
+    assert {m.weight.dtype for m in quantised.values()} == {torch.uint8}
+    assert scorer.model.score.weight.dtype == torch.float32
+    got = scorer.score(QUERIES)
+
+    dense = AutoModelForTokenClassification.from_pretrained(reward_model, num_labels=1).eval()
+    with torch.no_grad():
+        for name, module in quantised.items():
+            weight = dequantize_4bit(module.weight.data, module.weight.quant_state)
+            dense.get_submodule(name).weight.copy_(weight)
+    tok = AutoTokenizer.from_pretrained(reward_model)
+    want = []
+    for text in QUERIES:
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            want.append(float(dense(input_ids=ids).logits[0, -1, 0]))
+    assert got == pytest.approx(want, abs=1e-4)
+    # NF4 keeps 16 levels per block of 64 weights: the scores moved off the dense model's.
+    original = [_direct_score(reward_model, q) for q in QUERIES]
+    assert max(abs(a - b) for a, b in zip(got, original, strict=True)) > 1e-3

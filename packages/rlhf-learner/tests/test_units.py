@@ -46,6 +46,19 @@ def test_schedule_by_hand() -> None:
         OptimizerConfig(schedule="step")
 
 
+def test_a_4bit_base_trains_only_through_lora_adapters() -> None:
+    """A trained role on a frozen 4-bit base has nothing to train without LoRA; an eval-only
+    role (a served reward model, a reference) computes on the 4-bit weights as they are."""
+    from rlhf.learner import LearnerConfig, ModelConfig
+
+    four_bit = ModelConfig(path="m", load_in_4bit=True)
+    with pytest.raises(ValueError, match=r"set model.lora_rank > 0 too"):
+        LearnerConfig(model=four_bit)
+    assert LearnerConfig(model=four_bit, optimizer=None).optimizer is None
+    qlora = ModelConfig(path="m", load_in_4bit=True, lora_rank=4)
+    assert LearnerConfig(model=qlora).model.lora_rank == 4
+
+
 def test_warmup_ratio_by_hand() -> None:
     # ceil(0.03 · 100) = 3 warmup steps: (s + 1) / 3; then cosine over 97 steps to 0.1.
     f = lr_lambda(OptimizerConfig(lr=1.0, warmup_ratio=0.03, total_steps=100, min_lr_ratio=0.1))

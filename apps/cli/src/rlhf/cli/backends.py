@@ -188,6 +188,11 @@ def _unread_options_problems(role: RoleConfig, *, flag: str) -> list[str]:
 def _qlora_problems(role: RoleConfig, *, flag: str) -> list[str]:
     """``--{flag}.model.load_in_4bit``: QLoRA on the DeepSpeed backend with bitsandbytes."""
     named = f"--{flag}.model.load_in_4bit"
+    if not role.model.lora_rank:
+        return [
+            f"{named} freezes the base in 4 bits, so the role trains LoRA adapters on it "
+            f"(QLoRA): set --{flag}.model.lora_rank > 0 too (OpenRLHF: --ds.lora.rank)"
+        ]
     if "qlora" not in backend_of(role).features:
         return [f"{named} is built for the deepspeed backend; leave it out with {role.backend}"]
     if importlib.util.find_spec("bitsandbytes") is None:

@@ -44,10 +44,12 @@ class ModelConfig:
         lora_alpha: LoRA α (the update is scaled by α / r).
         lora_dropout: Dropout on the LoRA input.
         lora_target_modules: Module names that get adapters.
-        load_in_4bit: QLoRA: the frozen base loads as 4-bit NF4 weights (bitsandbytes, double
-            quantisation, computing in ``dtype``) and only the LoRA adapters train; needs
-            ``lora_rank``, ZeRO stage <= 2 and no tensor parallelism. Weight syncs and HF
-            exports carry the dequantised base with the adapters merged (``pip install
+        load_in_4bit: The frozen base loads as 4-bit NF4 weights (bitsandbytes, double
+            quantisation, computing in ``dtype``; the lm_head and a scalar head stay dense).
+            A trained role is QLoRA: only the LoRA adapters train, so it needs ``lora_rank``
+            (`LearnerConfig` checks), ZeRO stage <= 2 and no tensor parallelism; weight syncs
+            and HF exports carry the dequantised base with the adapters merged. An eval-only
+            model (a served reward model) just computes on the 4-bit weights (``pip install
             'rlhf-learner[qlora]'``; OpenRLHF's ``--ds.load_in_4bit``).
     """
 
@@ -84,11 +86,6 @@ class ModelConfig:
             raise ValueError("model.lora_rank must be >= 0 and needs model.lora_target_modules")
         if self.chunked_lm_head and self.kind != "causal_lm":
             raise ValueError("model.chunked_lm_head applies to causal_lm roles only")
-        if self.load_in_4bit and not self.lora_rank:
-            raise ValueError(
-                "model.load_in_4bit freezes the base in 4 bits and trains LoRA adapters on it "
-                "(QLoRA): set model.lora_rank > 0 too"
-            )
 
 
 @dataclass(frozen=True)
@@ -287,3 +284,10 @@ class LearnerConfig:
     model: ModelConfig
     optimizer: OptimizerConfig | None = field(default_factory=OptimizerConfig)
     seed: int = 42
+
+    def __post_init__(self) -> None:
+        if self.optimizer is not None and self.model.load_in_4bit and not self.model.lora_rank:
+            raise ValueError(
+                "model.load_in_4bit freezes the base in 4 bits, so a trained role trains LoRA "
+                "adapters on it (QLoRA): set model.lora_rank > 0 too"
+            )

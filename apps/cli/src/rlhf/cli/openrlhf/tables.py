@@ -524,15 +524,7 @@ def _serve_rm_rows() -> list[Row]:
                 "from this machine unless you say so"
             ),
         ),
-        Row(
-            "ds.load_in_4bit",
-            "switch",
-            off(
-                "ds.load_in_4bit",
-                "a served reward model loads whole here (4-bit loading is "
-                "QLoRA training's: rlhf train ... --ds.load_in_4bit with LoRA)",
-            ),
-        ),
+        Row("ds.load_in_4bit", "switch", alias("load_in_4bit")),
         Row(
             "ds.param_dtype",
             "one",

@@ -11,13 +11,15 @@ imports a concrete one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from rlhf.learner.batch import Batch
 from rlhf.learner.config import LearnerConfig
+
+T = TypeVar("T")
 
 
 class Objective(Protocol):
@@ -68,13 +70,13 @@ class Backend(Protocol):
         ...
 
     def forward_micro_batches(
-        self, micro_batches: Sequence[Batch], fn: Callable[[Any, Batch], Any]
-    ) -> list[Any]:
+        self, micro_batches: Sequence[Batch], fn: Callable[[torch.nn.Module, Batch], T]
+    ) -> list[T]:
         """``fn(model, batch)`` for every micro-batch without gradient, in eval mode; results
         on the CPU; collective."""
         ...
 
-    def save_checkpoint(self, directory: str, *, client_state: Mapping[str, Any]) -> None:
+    def save_checkpoint(self, directory: str, *, client_state: Mapping[str, object]) -> None:
         """Write this rank's part of a resumable checkpoint (all ranks call it)."""
         ...
 

@@ -38,8 +38,8 @@ import gc
 import math
 import os
 import pathlib
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -67,6 +67,8 @@ from rlhf.learner.tensor_parallel import (
 from rlhf.learner.zero3_offload import MASTER, MOMENTS, MasterOffload
 
 _BUILD_LOCK_NOTICE_S = float(os.environ.get("RLHF_BUILD_LOCK_NOTICE_S", "120"))
+
+T = TypeVar("T")
 
 
 def init_distributed() -> None:
@@ -271,7 +273,7 @@ class DeepSpeedBackend:
         """The unwrapped transformers model (parameters sharded under ZeRO-3)."""
         return self._module
 
-    def _runner(self) -> Any:
+    def _runner(self) -> torch.nn.Module:
         return self.engine if self.engine is not None else self._module
 
     # -- training ------------------------------------------------------------------------
@@ -332,7 +334,9 @@ class DeepSpeedBackend:
         norm = clip_grad_norm_(engine.module.parameters(), max_norm, mpu=engine.mpu)
         self._zero0_grad_norm = float(norm)
 
-    def forward_micro_batches(self, micro_batches: Sequence[Batch], fn: Any) -> list[Any]:
+    def forward_micro_batches(
+        self, micro_batches: Sequence[Batch], fn: Callable[[torch.nn.Module, Batch], T]
+    ) -> list[T]:
         """``fn(model, batch)`` per micro-batch, no gradient, eval mode; results on the CPU."""
         if not micro_batches:
             raise ValueError("forward_micro_batches needs at least one micro-batch on every rank")
@@ -428,7 +432,7 @@ class DeepSpeedBackend:
             shapes = {n: self._tp.full_shape(n, params[n].shape) for n in shapes}
         return shapes
 
-    def save_checkpoint(self, directory: str, *, client_state: Mapping[str, Any]) -> None:
+    def save_checkpoint(self, directory: str, *, client_state: Mapping[str, object]) -> None:
         """Write engine state (model, optimizer, scheduler) and this rank's RNG states."""
         if self.engine is None or self.config.optimizer is None:
             return  # an eval-only role is rebuilt from its model path

@@ -17,7 +17,6 @@ update and passes the next ``kl_coef`` in.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,25 +46,25 @@ class ActionLogprobs:
 
     temperature: float = 1.0
 
-    def __call__(self, model: Any, batch: Batch) -> Tensor:
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> Tensor:
         return batch_logprobs(model, batch, temperature=self.temperature)[0]
 
 
-def token_values_of(model: Any, batch: Batch) -> Tensor:
+def token_values_of(model: torch.nn.Module, batch: Batch) -> Tensor:
     """Forward function: critic values (B, L)."""
     return token_values(
         model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
     )
 
 
-def sequence_scores_of(model: Any, batch: Batch) -> Tensor:
+def sequence_scores_of(model: torch.nn.Module, batch: Batch) -> Tensor:
     """Forward function: reward-model scores at each row's last real token (B,)."""
     return sequence_scores(
         model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
     )
 
 
-def per_token(role: Role, batch: Batch, fn: ForwardFn, micro: MicroBatching) -> Tensor:
+def per_token(role: Role, batch: Batch, fn: ForwardFn[Tensor], micro: MicroBatching) -> Tensor:
     """``fn`` over ``batch`` on ``role`` as one (B, L) float32 tensor in row order (each
     micro-batch's narrower result right-padded with 0)."""
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
@@ -76,7 +75,7 @@ def per_token(role: Role, batch: Batch, fn: ForwardFn, micro: MicroBatching) -> 
     return out
 
 
-def per_sequence(role: Role, batch: Batch, fn: ForwardFn, micro: MicroBatching) -> Tensor:
+def per_sequence(role: Role, batch: Batch, fn: ForwardFn[Tensor], micro: MicroBatching) -> Tensor:
     """``fn`` over ``batch`` on ``role`` as one (B,) tensor in row order."""
     out = torch.zeros(batch.size)
     for rows, values in role.forward(

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import pathlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -33,6 +33,8 @@ from rlhf.learner.config import ModelConfig
 from rlhf.weights.ports import free_port
 
 NamedParams = Iterable[tuple[str, torch.nn.Parameter]]
+
+T = TypeVar("T")
 
 
 def default_process_env() -> bool:
@@ -108,7 +110,7 @@ def train_passes(
     micro_batches: Sequence[Batch],
     objective: Objective,
     *,
-    runner: Any,
+    runner: torch.nn.Module,
     passes: int,
     weights: Sequence[float] | None,
     placed: Callable[[Batch], Batch],
@@ -145,12 +147,12 @@ def combine_metric(name: str, values: Sequence[float]) -> float:
 
 def forward_passes(
     micro_batches: Sequence[Batch],
-    fn: Callable[[Any, Batch], Any],
+    fn: Callable[[torch.nn.Module, Batch], T],
     *,
-    runner: Any,
+    runner: torch.nn.Module,
     passes: int,
     placed: Callable[[Batch], Batch],
-) -> list[Any]:
+) -> list[T]:
     """``fn(runner, batch)`` per micro-batch without gradient (repeating the last up to
     ``passes``); the results of the real ones, on the CPU."""
     out = []
@@ -162,19 +164,20 @@ def forward_passes(
     return out
 
 
-def to_cpu(value: Any) -> Any:
+def to_cpu(value: T) -> T:
     """Tensors in ``value`` (nested tuples, lists, dicts) detached on the CPU; a DTensor
     gathered whole first."""
+    # Each branch rebuilds the structure it was given (same type, tensors moved).
     if isinstance(value, Tensor):
         full_tensor: Callable[[], Tensor] | None = getattr(value, "full_tensor", None)
         whole = full_tensor() if callable(full_tensor) else value
-        return whole.detach().cpu()
+        return cast(T, whole.detach().cpu())
     if isinstance(value, tuple):
-        return tuple(to_cpu(v) for v in value)
+        return cast(T, tuple(to_cpu(v) for v in value))
     if isinstance(value, list):
-        return [to_cpu(v) for v in value]
+        return cast(T, [to_cpu(v) for v in value])
     if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
+        return cast(T, {k: to_cpu(v) for k, v in value.items()})
     return value
 
 

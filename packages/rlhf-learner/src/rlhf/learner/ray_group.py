@@ -19,10 +19,10 @@ import faulthandler
 import os
 import signal
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlhf.learner import checkpoint as ckpt
-from rlhf.learner.backend import BackendFactory, Objective
+from rlhf.learner.backend import Backend, BackendFactory, Objective
 from rlhf.learner.batch import Batch, check_fields
 from rlhf.learner.config import LearnerConfig
 from rlhf.learner.role import (
@@ -35,6 +35,11 @@ from rlhf.learner.role import (
 )
 from rlhf.learner.weights import RankSenders, SentWeights
 from rlhf.weights.ports import free_port
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -66,7 +71,7 @@ class RankWorker:
             MASTER_PORT=str(master_port),
         )
         self.rank = rank
-        self.backend: Any = None
+        self.backend: Backend | None = None
         self.senders = RankSenders()  # this rank's weight-sync ends, by transport
         # `kill -USR1 <pid>` (the pids are in a run's placement.json) writes every thread's
         # stack to this actor's Ray log: where a rank waits, e.g. in a collective a peer left.
@@ -80,11 +85,19 @@ class RankWorker:
         self.backend = backend(config)
         return self.backend.fingerprint()
 
+    @property
+    def built(self) -> Backend:
+        """The rank's backend; a call before `build` is an error naming it."""
+        if self.backend is None:
+            raise RuntimeError(f"rank {self.rank} has no backend yet: build the group first")
+        return self.backend
+
     def data_parallel(self) -> tuple[int, int]:
         """This rank's data-parallel coordinate and the number of them (the backend's
         ``dp_rank``/``dp_size``; its rank and world size when it has none)."""
-        rank = getattr(self.backend, "dp_rank", self.backend.rank)
-        return int(rank), int(getattr(self.backend, "dp_size", self.backend.world_size))
+        backend = self.built
+        rank = getattr(backend, "dp_rank", backend.rank)
+        return int(rank), int(getattr(backend, "dp_size", backend.world_size))
 
     def train_micro_batches(
         self,
@@ -94,13 +107,13 @@ class RankWorker:
         threads: int | None = None,
     ) -> dict[str, float]:
         with intra_op_threads(threads):
-            return self.backend.train_micro_batches(micro_batches, objective, weights=weights)
+            return self.built.train_micro_batches(micro_batches, objective, weights=weights)
 
     def forward_micro_batches(
-        self, micro_batches: Sequence[Batch], fn: ForwardFn, threads: int | None = None
-    ) -> list[Any]:
+        self, micro_batches: Sequence[Batch], fn: ForwardFn[T], threads: int | None = None
+    ) -> list[T]:
         with intra_op_threads(threads):
-            return self.backend.forward_micro_batches(micro_batches, fn)
+            return self.built.forward_micro_batches(micro_batches, fn)
 
     def num_threads(self) -> int:
         """torch's intra-op threads in this rank's process now."""
@@ -108,57 +121,55 @@ class RankWorker:
 
         return torch.get_num_threads()
 
-    def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> None:
-        self.backend.save_checkpoint(directory, client_state=client_state)
+    def save_checkpoint(self, directory: str, client_state: Mapping[str, object]) -> None:
+        self.built.save_checkpoint(directory, client_state=client_state)
 
     def finalize_checkpoint(
-        self, root: str, step: int, client_state: Mapping[str, Any], keep: int | None
+        self, root: str, step: int, client_state: Mapping[str, object], keep: int | None
     ) -> str:
         return str(
             ckpt.finalize(
                 root,
                 step,
-                fingerprint=self.backend.fingerprint(),
+                fingerprint=self.built.fingerprint(),
                 client_state=client_state,
                 keep=keep,
             )
         )
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
-        return self.backend.load_checkpoint(directory)
+        return self.built.load_checkpoint(directory)
 
     def export_hf(self, directory: str, ema: bool = False) -> None:
-        self.backend.export_hf(directory, ema=ema)
+        self.built.export_hf(directory, ema=ema)
 
     def offload_states(self, weights: bool = True) -> dict[str, float]:
-        return self.backend.offload_states(weights=weights)
+        return self.built.offload_states(weights=weights)
 
     def reload_states(self) -> dict[str, float]:
-        return self.backend.reload_states()
+        return self.built.reload_states()
 
     def send_weights(self, kind: str, version: int, bucket_bytes: int) -> SentWeights:
-        return self.senders.send(
-            self.backend, kind=kind, version=version, bucket_bytes=bucket_bytes
-        )
+        return self.senders.send(self.built, kind=kind, version=version, bucket_bytes=bucket_bytes)
 
     def close_weight_sender(self, kind: str) -> None:
         self.senders.close(kind)
 
-    def new_weight_group(self, kind: str, world_size: int) -> Any:
+    def new_weight_group(self, kind: str, world_size: int) -> object:
         import ray
 
         host = ray.util.get_node_ip_address()
-        return self.senders.new_group(self.backend, kind=kind, world_size=world_size, host=host)
+        return self.senders.new_group(self.built, kind=kind, world_size=world_size, host=host)
 
-    def join_weight_group(self, kind: str, group: Any) -> None:
-        self.senders.join(self.backend, kind=kind, group=group)
+    def join_weight_group(self, kind: str, group: object) -> None:
+        self.senders.join(self.built, kind=kind, group=group)
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(backend, *args)`` in this rank's process."""
-        return fn(self.backend, *args)
+        return fn(self.built, *args)
 
 
-def gather_ranks(refs: Sequence[Any]) -> list[Any]:
+def gather_ranks(refs: Sequence[ObjectRef[T]]) -> list[T]:
     """Every rank's result of one call (``refs``, one per rank), in rank order.
 
     A rank's error is raised only once every rank's call has ended: ``ray.get`` of the list
@@ -202,7 +213,7 @@ class LearnerGroup:
         num_cpus_per_rank: float = 1.0,
         num_gpus_per_rank: float = 0.0,
         env: Mapping[str, str] | None = None,
-        scheduling: Sequence[Any] | None = None,
+        scheduling: Sequence[object] | None = None,
     ) -> None:
         import ray
 
@@ -211,7 +222,7 @@ class LearnerGroup:
         if scheduling is not None and len(scheduling) != num_ranks:
             raise ValueError(f"scheduling has {len(scheduling)} entries for {num_ranks} ranks")
         port = free_port()
-        options: dict[str, Any] = {
+        options: dict[str, object] = {
             "num_cpus": num_cpus_per_rank,
             "num_gpus": num_gpus_per_rank,
             "runtime_env": {"env_vars": dict(env or {})},
@@ -235,7 +246,7 @@ class LearnerGroup:
         self._dp_ranks: list[int] | None = None  # per rank, asked of the backends once built
 
     def _all(
-        self, method: str, *args: Any, per_rank: Sequence[Sequence[Any]] | None = None
+        self, method: str, *args: object, per_rank: Sequence[Sequence[object]] | None = None
     ) -> list:
         if per_rank is None:
             refs = [getattr(w, method).remote(*args) for w in self.workers]
@@ -251,7 +262,9 @@ class LearnerGroup:
         model's fingerprint."""
         return gather_ranks(self.start_build(config, backend=backend))[0]
 
-    def start_build(self, config: LearnerConfig, *, backend: BackendFactory) -> list[Any]:
+    def start_build(
+        self, config: LearnerConfig, *, backend: BackendFactory
+    ) -> list[ObjectRef[dict[str, list[int]]]]:
         """`build` without waiting: one object ref per rank (each resolves to the model's
         fingerprint, or raises the rank's error), so several roles can start side by side."""
         self.packing_samples = config.model.packing_samples
@@ -278,7 +291,7 @@ class LearnerGroup:
             first.setdefault(dp, rank)
         return [first[dp] for dp in sorted(first)]
 
-    def _per_rank(self, per_dp: Sequence[Any]) -> list[Any]:
+    def _per_rank(self, per_dp: Sequence[T]) -> list[T]:
         """Work made per data-parallel coordinate, given to every rank of that coordinate."""
         return [per_dp[dp] for dp in self._data_parallel()]
 
@@ -349,11 +362,11 @@ class LearnerGroup:
     def forward(
         self,
         batch: Batch,
-        fn: ForwardFn,
+        fn: ForwardFn[T],
         *,
         max_tokens: int | None = None,
         max_rows: int | None = None,
-    ) -> RowResults:
+    ) -> RowResults[T]:
         """`rlhf.learner.Role.forward` on every rank; ``[(rows, result), ...]`` in row
         order."""
         work, dealt = self._split(batch, max_tokens, max_rows)
@@ -362,7 +375,7 @@ class LearnerGroup:
         return row_results(dealt, [results[r] for r in self._leaders()])
 
     def save(
-        self, root: str, step: int, *, client_state: Mapping[str, Any], keep: int | None = None
+        self, root: str, step: int, *, client_state: Mapping[str, object], keep: int | None = None
     ) -> str:
         """A complete checkpoint of ``step`` under ``root`` (staging dir, then renamed)."""
         staging = str(ckpt.staging_dir(root, step))
@@ -399,7 +412,7 @@ class LearnerGroup:
         gathers. Returns rank 0's send (the sync for the engines, its seconds, metrics)."""
         return self._all("send_weights", kind, version, bucket_bytes)[0]
 
-    def close_weight_sender(self, kind: str, *, wait: bool = True) -> list[Any]:
+    def close_weight_sender(self, kind: str, *, wait: bool = True) -> list[ObjectRef[None]]:
         """Release rank 0's ``kind`` sender (what its last sync kept alive; a group's
         membership). ``wait=False``: started only, one object ref per rank (a rank runs its
         calls in order, so the next call comes after it)."""
@@ -409,21 +422,21 @@ class LearnerGroup:
             return []
         return refs
 
-    def new_weight_group(self, *, kind: str, world_size: int) -> Any:
+    def new_weight_group(self, *, kind: str, world_size: int) -> object:
         """The spec of a new group of the group transport ``kind`` with rank 0 as member 0
         (``world_size``: 1 + the engines), for the engines to join with `join_weight_group`
         beside rank 0's."""
         return self._all("new_weight_group", kind, world_size)[0]
 
-    def join_weight_group(self, *, kind: str, group: Any) -> None:
+    def join_weight_group(self, *, kind: str, group: object) -> None:
         """Rank 0 joins ``group`` as its sender; returns once every member joined."""
         self._all("join_weight_group", kind, group)
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    def run(self, fn: Callable[..., T], *args: object) -> list[T]:
         """``fn(backend, *args)`` on every rank."""
         return self._all("run", fn, *args)
 
-    def start_run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    def start_run(self, fn: Callable[..., T], *args: object) -> list[ObjectRef[T]]:
         """`run` without waiting: one object ref per rank (each resolves to the rank's
         result, or raises its error). A rank runs its calls in the order they are made."""
         return [w.run.remote(fn, *args) for w in self.workers]

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
+
+import torch
 
 from rlhf.learner.backend import Backend, BackendFactory, Objective
 from rlhf.learner.batch import Batch, check_fields, micro_batches, shard
 from rlhf.learner.config import LearnerConfig
 from rlhf.learner.rank import combine_metric
 
-ForwardFn = Callable[[Any, Batch], Any]
-"""``fn(model, micro_batch)``, run without gradient (picklable for `LearnerGroup`)."""
+T = TypeVar("T")
 
-RowResults = list[tuple[list[int], Any]]
+ForwardFn = Callable[[torch.nn.Module, Batch], T]
+"""``fn(model, micro_batch) -> T``, run without gradient (picklable for `LearnerGroup`)."""
+
+RowResults = list[tuple[list[int], T]]
 """``[(rows, result), ...]``: one entry per micro-batch, in row order."""
 
 
@@ -59,11 +63,11 @@ class Role(Protocol):
     def forward(
         self,
         batch: Batch,
-        fn: ForwardFn,
+        fn: ForwardFn[T],
         *,
         max_tokens: int | None = None,
         max_rows: int | None = None,
-    ) -> RowResults:
+    ) -> RowResults[T]:
         """``fn(model, micro_batch)`` over ``batch`` without gradient; results per
         micro-batch in row order, with the rows of each."""
         ...
@@ -114,11 +118,11 @@ def merge_train_metrics(results: Sequence[Mapping[str, float]]) -> dict[str, flo
 
 
 def row_results(
-    dealt: Sequence[Sequence[list[int]]], results: Sequence[Sequence[Any]]
-) -> RowResults:
+    dealt: Sequence[Sequence[list[int]]], results: Sequence[Sequence[T]]
+) -> RowResults[T]:
     """The ranks' `Backend.forward_micro_batches` results back in row order (an idle rank's
     weight-0 result dropped)."""
-    pairs: RowResults = []
+    pairs: RowResults[T] = []
     for rows, res in zip(dealt, results, strict=True):
         pairs += list(zip(rows, res[: len(rows)], strict=True))
     return sorted(pairs, key=lambda p: p[0][0])
@@ -188,11 +192,11 @@ class InProcessRole:
     def forward(
         self,
         batch: Batch,
-        fn: ForwardFn,
+        fn: ForwardFn[T],
         *,
         max_tokens: int | None = None,
         max_rows: int | None = None,
-    ) -> RowResults:
+    ) -> RowResults[T]:
         micro, _, dealt = self._work(batch, max_tokens, max_rows)
         return row_results(dealt, [self._live().forward_micro_batches(micro, fn)])
 

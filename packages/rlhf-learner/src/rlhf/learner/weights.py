@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -48,7 +47,7 @@ def send_weights(
     version: int,
     bucket_bytes: int,
     device: torch.device | str | None = None,
-) -> Any:
+) -> object:
     """On every rank: stream the weights into ``sender`` (needed on rank 0 only); returns what
     the sender returns (the sync to hand to the engines) on rank 0, None elsewhere."""
     buckets = stream_weights(backend, version=version, bucket_bytes=bucket_bytes, device=device)
@@ -73,7 +72,7 @@ class SentWeights:
             bytes and changed fraction); empty for others.
     """
 
-    sync: Any
+    sync: object
     seconds: float
     metrics: Mapping[str, float] = field(default_factory=dict)
 
@@ -110,7 +109,7 @@ class RankSenders:
         if sender is not None:
             sender.close()
 
-    def new_group(self, backend: Backend, *, kind: str, world_size: int, host: str) -> Any:
+    def new_group(self, backend: Backend, *, kind: str, world_size: int, host: str) -> object:
         """Rank 0: the spec of a new ``kind`` group of ``world_size`` members on this rank's
         device (``host``: this node's address); other ranks: None."""
         spec = transport(kind)
@@ -119,7 +118,7 @@ class RankSenders:
         assert spec.new_group is not None, f"{kind} is not a group transport"
         return spec.new_group(world_size=world_size, device=backend.device, host=host)
 
-    def join(self, backend: Backend, *, kind: str, group: Any) -> None:
+    def join(self, backend: Backend, *, kind: str, group: object) -> None:
         """Rank 0: join ``group`` as its sender (member 0), leaving a former one first."""
         if backend.rank != 0:
             return

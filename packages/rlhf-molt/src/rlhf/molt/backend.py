@@ -33,8 +33,8 @@ import contextlib
 import gc
 import json
 import pathlib
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -63,6 +63,8 @@ from rlhf.molt.tensor_parallel import check_tensor_parallel, grad_norm_and_clip,
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SCHEDULE_FILE = "schedule.json"
+
+T = TypeVar("T")
 
 
 def init_distributed() -> None:
@@ -276,7 +278,9 @@ class FSDPBackend:
         self._module.eval()
         return out
 
-    def forward_micro_batches(self, micro_batches: Sequence[Batch], fn: Any) -> list[Any]:
+    def forward_micro_batches(
+        self, micro_batches: Sequence[Batch], fn: Callable[[torch.nn.Module, Batch], T]
+    ) -> list[T]:
         """``fn(model, batch)`` per micro-batch, no gradient, eval mode; results on the CPU."""
         if not micro_batches:
             raise ValueError("forward_micro_batches needs at least one micro-batch on every rank")
@@ -362,7 +366,7 @@ class FSDPBackend:
         model, optim = get_state_dict(self._module, self.optimizer)
         return {"model": model, "optim": optim}
 
-    def save_checkpoint(self, directory: str, *, client_state: Mapping[str, Any]) -> None:
+    def save_checkpoint(self, directory: str, *, client_state: Mapping[str, object]) -> None:
         """Write the DCP state (model and optimizer shards), the schedule and this rank's RNG
         (all ranks call it)."""
         from rlhf.molt import dcp_files

@@ -97,6 +97,10 @@ def _steps(config, deepspeed, batch, objective, *, steps: int) -> tuple[list[dic
                 backend.train_micro_batches(halves, objective)
     finally:
         backend.close()
+    from deepspeed.compile import util
+
+    # A released compiled engine leaves no backward hook for the next one in this process.
+    assert (util.pre_backward_hooks, util.post_backward_hooks) == ([], [])
     assert state is not None
     return outs, state, logprobs
 

@@ -212,6 +212,7 @@ class DeepSpeedBackend:
         self._ds_config = ds_config(config, ds)
         self._hf_ds: Any = None
         self._master_offload: MasterOffload | None = None  # ZeRO-3 `offload_states`
+        self._compile_hooks: _CompileHooks | None = None  # DeepCompile's, removed at close
         if ds.zero_stage == 3:
             from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
@@ -238,6 +239,7 @@ class DeepSpeedBackend:
                 optimizer.register_step_pre_hook(self._clip_zero0_gradients)
             self._module: torch.nn.Module = self.engine.module
             if _compiled(config, ds):
+                self._compile_hooks = _CompileHooks()
                 self.engine.compile()
         elif ds.zero_stage == 3 or tp > 1:
             self.engine, *_ = deepspeed_lib.initialize(model=model, config=self._ds_config)
@@ -510,12 +512,36 @@ class DeepSpeedBackend:
         transformers' global ZeRO-3 mode, so the next model builds unpartitioned."""
         self.engine = None
         self._module = None  # type: ignore[assignment]
+        if self._compile_hooks is not None:
+            self._compile_hooks.remove_new()
+            self._compile_hooks = None
         if self._hf_ds is not None:
             from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
             self._hf_ds = None
             unset_hf_deepspeed_config()
         gc.collect()
+
+
+class _CompileHooks:
+    """DeepCompile's backward hooks registered after this point, for removal when the engine
+    that registered them is released. DeepSpeed keeps them in module-global lists
+    (``deepspeed.compile.util.pre_backward_hooks`` / ``post_backward_hooks``) and never
+    removes them, so a later compiled engine in the same process (a rebuilt role, a warm rank
+    process reused by the next run) would also run the released engine's hooks against its
+    own optimizer (probed on an H100: ZeRO-1 then ZeRO-3 in one process fails in the first
+    backward with ``IndexError: unordered_map::at``). A rank process holds one engine at a
+    time (`RankWorker.build` closes the old one first)."""
+
+    def __init__(self) -> None:
+        from deepspeed.compile import util
+
+        self._lists = (util.pre_backward_hooks, util.post_backward_hooks)
+        self._before = [list(hooks) for hooks in self._lists]
+
+    def remove_new(self) -> None:
+        for hooks, before in zip(self._lists, self._before, strict=True):
+            hooks[:] = [h for h in hooks if any(h is b for b in before)]
 
 
 def _local(param: torch.nn.Parameter) -> Tensor:

@@ -90,3 +90,21 @@ def test_a_disaggregated_run_reports_no_shared_group(assets, tmp_path) -> None:
     # Each process reports its Ray node: the local cluster's one node.
     (node,) = placement["actor"]["nodes"]
     assert placement["engines"]["nodes"] == [node] and len(node) == 56
+
+
+def test_learners_offload_by_default_only_where_it_frees_device_memory() -> None:
+    from rlhf.cli.config import replace
+    from rlhf.cli.presets import resolve
+
+    ppo = replace(resolve("ppo"), **{"train.colocate_all": True})
+    assert ppo.offloads_learners(gpu=True)
+    assert not ppo.offloads_learners(gpu=False)  # a CPU's states are in host memory already
+    zero3 = replace(ppo, **{"critic.deepspeed.zero_stage": 3})
+    assert zero3.offloads_learners(gpu=True)  # ZeRO-3's states move too (zero3_offload)
+    zero0 = replace(ppo, **{"critic.deepspeed.zero_stage": 0})
+    assert not zero0.offloads_learners(gpu=True)  # ZeRO-0 keeps no partitions to move
+    forced = replace(ppo, **{"train.deepspeed_enable_sleep": True})
+    assert forced.offloads_learners(gpu=False)
+    off = replace(ppo, **{"train.deepspeed_enable_sleep": False})
+    assert not off.offloads_learners(gpu=True)
+    assert not replace(ppo, **{"train.colocate_all": False}).offloads_learners(gpu=True)

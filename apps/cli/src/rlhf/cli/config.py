@@ -210,7 +210,7 @@ class RLConfig:
     def offloads_learners(self, *, gpu: bool) -> bool:
         """Whether hybrid placement may move the actor's (and critic's) states between phases
         (``--train.deepspeed_enable_sleep``; unset: on GPUs, for ZeRO-1/2/3, and then only
-        when `rlhf.cli.hybrid.Headroom` says memory requires it)."""
+        when `rlhf.learner.hybrid.Headroom` says memory requires it)."""
         flag = self.train.deepspeed_enable_sleep
         if not self.train.colocate_all or flag is False:
             return False

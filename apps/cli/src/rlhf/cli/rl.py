@@ -11,7 +11,7 @@ One step, in the order the data flows::
 
 `rlhf.rollout.schedule` decides when each part runs (synchronous, or asynchronous with a bounded
 queue of rollouts), `rlhf.cli.roles` starts the processes where `rlhf.cli.placement` puts them,
-and `rlhf.cli.hybrid` moves memory between engines and learners under ``--train.colocate_all``.
+and `rlhf.learner.hybrid` moves memory between engines and learners under ``--train.colocate_all``.
 Every step appends a line to ``run_dir/metrics.jsonl``.
 """
 
@@ -274,7 +274,7 @@ class RLDriver:
         return self.config.train.seed if self.config.rollout.seed_requests else None
 
     def enter(self, phase: str, *, record: bool = True, learning: bool = False) -> None:
-        """Hybrid placement: move engines and learners to ``phase`` (`rlhf.cli.hybrid`);
+        """Hybrid placement: move engines and learners to ``phase`` (`rlhf.learner.hybrid`);
         with ``record``, its metrics join the step's; ``learning``: a training phase that
         trains (`TurnTaking.enter`)."""
         turns = self.roles.turns

@@ -20,12 +20,12 @@ from typing import Any
 
 from rlhf.cli.backends import backend_factory, compute_threads, rank_env
 from rlhf.cli.config import RLConfig
-from rlhf.cli.hybrid import TurnTaking, measure_headroom
 from rlhf.cli.placement import Placement, place, processes, where_this_process_runs
 from rlhf.cli.sections import RoleConfig, VllmConfig
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.warm import WarmRoles, warm_roles
 from rlhf.learner import LearnerConfig, LearnerGroup, ModelConfig
+from rlhf.learner.hybrid import TurnTaking, measure_headroom
 from rlhf.rollout import EngineConfig, EnginePool, RayEngine
 
 
@@ -408,6 +408,13 @@ def start_roles(
                 headroom = measure_headroom(trained)  # only when memory requires it
                 if headroom is not None:
                     offload, why = not headroom.learners_fit, headroom.describe()
+            if not offload and not why:
+                why = (
+                    "--train.deepspeed_enable_sleep: by default on GPUs with ZeRO-1/2/3 or "
+                    "molt when memory requires it"
+                )
+            if not sleep:
+                why = "; ".join(w for w in ("--vllm.enable_sleep: GPUs only", why) if w)
             turns = TurnTaking(
                 engines=engines,
                 learners=trained,

@@ -109,7 +109,7 @@ class VllmConfig(EngineOptions):
             and wake for the sync and generation (OpenRLHF's ``--vllm_enable_sleep``). True:
             every step; False: never; None (default): in the first step, and after it only
             if what training added to the learners' memory would not fit next to the awake
-            engines (`rlhf.cli.hybrid.TrainingPeak`; also whenever the learners' states
+            engines (`rlhf.learner.hybrid.TrainingPeak`; also whenever the learners' states
             move). On CPUs vLLM has no sleep mode and the engines keep their memory.
     """
 
@@ -279,7 +279,7 @@ class TrainConfig(LoggingConfig):
         deepspeed_enable_sleep: Under ``--train.colocate_all``, the actor's and critic's
             optimizer states, fp32 master weights and gradient partitions leave the device
             for the weight sync, and their model weights too while the engines generate
-            (`rlhf.cli.hybrid`; OpenRLHF's ``--deepspeed_enable_sleep``). None (default):
+            (`rlhf.learner.hybrid`; OpenRLHF's ``--deepspeed_enable_sleep``). None (default):
             on GPUs when both roles run ZeRO-1/2/3 or molt and memory requires it (the GPU's free
             memory with every role started, less the optimizer states the first step adds,
             under 5 % of the device; the plan prints the numbers); True: always

@@ -1,5 +1,10 @@
-"""Turn-taking of hybrid placement (``--train.colocate_all``): which role holds the GPU memory
-in each phase of a synchronous step.
+"""Turn-taking of hybrid placement (every role and the inference engines on the same GPUs):
+which of them holds the GPU memory in each phase of a synchronous step.
+
+`TurnTaking` is written against small protocols (`SleepingEngine`: vLLM's sleep/wake, e.g.
+`rlhf.rollout.RayEngine`; `MovingRole`: a role that moves its states, e.g.
+`rlhf.learner.LearnerGroup`), so a loop of another team that colocates its engines with our
+learner groups reuses it as the ``rlhf`` command does (``--train.colocate_all``).
 
 Phases, in the order a step runs them:
 
@@ -11,23 +16,23 @@ Phases, in the order a step runs them:
 - ``generation`` (rollouts, evaluations): the learners' model weights go to host memory too,
   then the engines' KV cache wakes.
 
-Engines sleep only where vLLM can (``--vllm.enable_sleep`` on GPUs). By default they sleep in
-the first step's training only, which measures what training adds to the learners' memory
+Engines sleep only where vLLM can (on GPUs). With ``settle_sleep`` they sleep in the first
+step's training only, which measures what training adds to the learners' memory
 (`TrainingPeak`); from the second step they stay awake when that fits next to them, so a run
-whose roles all fit pays no sleep or wake at all. Learners offload under
-``--train.deepspeed_enable_sleep`` (by default on GPUs with ZeRO-1/2/3 or the molt backend when
-memory requires it,
-`learner_moves_needed`; forced on a CPU machine, their states stay in host memory while the
-backends re-link their buffers, so the CPU tests run the same schedule). Checkpoints and the
-final export run in the ``training`` phase.
+whose roles all fit pays no sleep or wake at all. Learners move their states when
+``offload_learners`` says so (`Headroom` tells whether memory requires it; on a CPU machine
+their states stay in host memory while the backends re-link their buffers, so CPU tests run the
+same schedule). Checkpoints and the final export run in the ``training`` phase.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, TypeVar
+
+from rlhf.learner.backend import Backend
 
 _PHASES = ("training", "sync", "generation")
 _TAGS = ("weights", "kv_cache")
@@ -36,6 +41,38 @@ RESERVE_FRACTION = 0.05
 OPTIMIZER_BYTES_PER_PARAM = 12
 """What a trained parameter adds at its first optimizer step: AdamW's two fp32 moments and
 its fp32 gradient partition (8 + 4 bytes, divided among the data-parallel ranks)."""
+
+T = TypeVar("T")
+
+
+class SleepingEngine(Protocol):
+    """An inference engine that can free its GPU memory (vLLM's sleep mode)."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights copied to host memory, KV cache freed."""
+        ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back ``tags`` (``weights``, ``kv_cache``; None: both)."""
+        ...
+
+
+class RunsOnRanks(Protocol):
+    """A role whose ranks run a function of their backend (`rlhf.learner.LearnerGroup.run`)."""
+
+    world_size: int
+
+    def run(self, fn: Callable[[Backend], T], /) -> list[T]:
+        """``fn(backend)`` on every rank, in rank order."""
+        ...
+
+
+class MovingRole(RunsOnRanks, Protocol):
+    """A trained role that moves its states off the device and back (every rank)."""
+
+    def offload_states(self, *, weights: bool = True) -> Sequence[Mapping[str, float]]: ...
+
+    def reload_states(self) -> Sequence[Mapping[str, float]]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +144,7 @@ class TrainingPeak:
         )
 
 
-def _reset_peak(backend: Any) -> int | None:
+def _reset_peak(backend: Backend) -> int | None:
     """Start a peak window on the rank's CUDA device: its reserved bytes now; None on CPU."""
     import torch
 
@@ -117,7 +154,7 @@ def _reset_peak(backend: Any) -> int | None:
     return int(torch.cuda.memory_reserved(backend.device))
 
 
-def _peak_reserved(backend: Any) -> int | None:
+def _peak_reserved(backend: Backend) -> int | None:
     """The rank's peak reserved CUDA bytes since `_reset_peak`; None on CPU."""
     import torch
 
@@ -126,7 +163,7 @@ def _peak_reserved(backend: Any) -> int | None:
     return int(torch.cuda.max_memory_reserved(backend.device))
 
 
-def _device_free_bytes(backend: Any) -> tuple[int, int] | None:
+def _device_free_bytes(backend: Backend) -> tuple[int, int] | None:
     """(free, total) bytes of the rank's CUDA device (all processes counted); None on CPU."""
     import torch
 
@@ -136,29 +173,29 @@ def _device_free_bytes(backend: Any) -> tuple[int, int] | None:
     return int(free), int(total)
 
 
-def _rank_memory(backend: Any) -> tuple[int, int, int] | None:
+def _rank_memory(backend: Backend) -> tuple[int, int, int] | None:
     """(free, total, trained parameters of this rank's model) on its CUDA device; None on CPU."""
     import torch
 
     if backend.device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(backend.device)
-    trained = sum(p.numel() for p in backend.engine.module.parameters() if p.requires_grad)
+    trained = sum(p.numel() for p in backend.module.parameters() if p.requires_grad)
     return int(free), int(total), int(trained)
 
 
-def measure_headroom(learners: Sequence[Any]) -> Headroom | None:
+def measure_headroom(learners: Sequence[RunsOnRanks]) -> Headroom | None:
     """`Headroom` on the GPU of each trained role's first rank (the actor's; colocated roles
     share it), or None on CPUs."""
-    seen = [group.run(_rank_memory)[0] for group in learners]
-    if not seen or any(s is None for s in seen):
+    probed = [group.run(_rank_memory)[0] for group in learners]
+    seen = [s for s in probed if s is not None]
+    if not seen or len(seen) < len(probed):
         return None
     optimizer = sum(
         OPTIMIZER_BYTES_PER_PARAM * s[2] // g.world_size
         for s, g in zip(seen, learners, strict=True)
-        if s is not None
     )
-    free = min(s[0] for s in seen if s is not None)
+    free = min(s[0] for s in seen)
     return Headroom(free_bytes=free, total_bytes=seen[0][1], optimizer_bytes=optimizer)
 
 
@@ -167,15 +204,15 @@ class TurnTaking:
     """The phase of a hybrid run's engines and learners.
 
     Attributes:
-        engines: `rlhf.rollout.RayEngine` handles (started with ``enable_sleep_mode`` when
-            ``sleep_engines``).
-        learners: `rlhf.learner.LearnerGroup` s whose states move (roles with an optimizer),
-            the actor first.
+        engines: The engines (e.g. `rlhf.rollout.RayEngine` handles, started with
+            ``enable_sleep_mode`` when ``sleep_engines``).
+        learners: The roles whose states move (roles with an optimizer, e.g.
+            `rlhf.learner.LearnerGroup` s), the actor first.
         sleep_engines: Put the engines to sleep during ``training``.
         offload_learners: Move the learners' states off the device outside ``training``.
         settle_sleep: Decide ``sleep_engines`` from the first learning phase (`TrainingPeak`):
             the engines sleep through it, and keep sleeping only if what the learners added
-            would not fit next to them awake (``--vllm.enable_sleep`` unset).
+            would not fit next to them awake.
         others: Learner groups that hold device memory but do not move (reference, reward
             model); their training-time peak counts in `TrainingPeak`.
         why: Why the learners move or stay (for the plan line).
@@ -185,12 +222,12 @@ class TurnTaking:
         notes: Decisions made while running, for the console (the driver prints and clears).
     """
 
-    engines: Sequence[Any]
-    learners: Sequence[Any]
+    engines: Sequence[SleepingEngine]
+    learners: Sequence[MovingRole]
     sleep_engines: bool
     offload_learners: bool
     settle_sleep: bool = False
-    others: Sequence[Any] = ()
+    others: Sequence[RunsOnRanks] = ()
     why: str = ""
     phase: str = "training"
     engines_awake: set[str] = dataclasses.field(default_factory=lambda: set(_TAGS))
@@ -202,9 +239,7 @@ class TurnTaking:
     def describe(self) -> str:
         """One line for the plan: what moves between phases."""
         if not self.sleep_engines:
-            engines = (
-                "engines keep their memory (vLLM sleeps on GPUs only, under --vllm.enable_sleep)"
-            )
+            engines = "engines keep their memory (vLLM sleeps on GPUs only)"
         elif self.settle_sleep:
             engines = (
                 "engines sleep while the learners train in the first step (vLLM level 1: weights "
@@ -219,8 +254,7 @@ class TurnTaking:
             "actor/critic optimizer states, master weights and gradients leave the device for "
             "the sync, their weights too while the engines generate"
             if self.offload_learners
-            else "learners keep their states (--train.deepspeed_enable_sleep: by default on "
-            "GPUs with ZeRO-1/2/3 or molt when memory requires it)"
+            else "learners keep their states"
         )
         return f"hybrid turn-taking: {engines}; {learners}" + (f" ({self.why})" if self.why else "")
 
@@ -241,7 +275,7 @@ class TurnTaking:
         out: dict[str, float] = {}
         if self._window is not None:
             out.update(self._settle())
-        moved: list[dict[str, float]] = []
+        moved: list[Mapping[str, float]] = []
         if phase == "training":
             free_awake = None
             if self.sleep_engines and self.engines_awake:
@@ -251,7 +285,7 @@ class TurnTaking:
                     e.sleep(1)
                 self.engines_awake.clear()
             if self.offload_learners:
-                moved = self._each("reload_states")
+                moved = self._reload()
             if free_awake is not None:
                 starts = [g.run(_reset_peak)[0] for g in self._groups]
                 self._window = (free_awake[0], free_awake[1], starts)
@@ -259,7 +293,7 @@ class TurnTaking:
             if self.offload_learners:
                 # Optimizer states first (the engines' weights need the room); the model
                 # weights only once the sync has read them.
-                moved = self._each("offload_states", weights=phase == "generation")
+                moved = self._offload(weights=phase == "generation")
             wanted = {"weights"} if phase == "sync" else set(_TAGS)
             missing = sorted(wanted - self.engines_awake)
             if missing:
@@ -281,7 +315,7 @@ class TurnTaking:
         return out
 
     @property
-    def _groups(self) -> list[Any]:
+    def _groups(self) -> list[RunsOnRanks]:
         return [*self.learners, *self.others]
 
     def _free(self) -> tuple[int, int] | None:
@@ -307,14 +341,14 @@ class TurnTaking:
             "hybrid/engines_sleep": float(self.sleep_engines),
         }
 
-    def _each(self, method: str, **kwargs: Any) -> list[dict[str, float]]:
-        out: list[dict[str, float]] = []
-        for group in self.learners:
-            out += getattr(group, method)(**kwargs)
-        return out
+    def _offload(self, *, weights: bool) -> list[Mapping[str, float]]:
+        return [moved for group in self.learners for moved in group.offload_states(weights=weights)]
+
+    def _reload(self) -> list[Mapping[str, float]]:
+        return [moved for group in self.learners for moved in group.reload_states()]
 
 
-def _device_memory(backend: Any) -> tuple[float, int] | None:
+def _device_memory(backend: Backend) -> tuple[float, int] | None:
     """(free GiB of the rank's CUDA device, all processes on it counted; the rank's allocator
     retries so far: cudaMalloc calls that failed and succeeded only after the cache was
     flushed), or None on CPU."""

@@ -1,4 +1,4 @@
-"""The hybrid schedule's order of moves (`rlhf.cli.hybrid.TurnTaking`) over a run's phases.
+"""The hybrid schedule's order of moves (`rlhf.learner.hybrid.TurnTaking`) over a run's phases.
 
 vLLM's sleep mode exists on GPUs only, so here the engines and learner groups are recorders of
 the calls the schedule makes; the real moves run in the CPU hybrid run (learners) and on the GPU
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf.cli.hybrid import TurnTaking
+from rlhf.learner.hybrid import TurnTaking
 
 
 class Recorder:
@@ -93,26 +93,8 @@ def test_an_unknown_phase_is_refused() -> None:
         turns.enter("eval")
 
 
-def test_learners_offload_by_default_only_where_it_frees_device_memory() -> None:
-    from rlhf.cli.config import replace
-    from rlhf.cli.presets import resolve
-
-    ppo = replace(resolve("ppo"), **{"train.colocate_all": True})
-    assert ppo.offloads_learners(gpu=True)
-    assert not ppo.offloads_learners(gpu=False)  # a CPU's states are in host memory already
-    zero3 = replace(ppo, **{"critic.deepspeed.zero_stage": 3})
-    assert zero3.offloads_learners(gpu=True)  # ZeRO-3's states move too (zero3_offload)
-    zero0 = replace(ppo, **{"critic.deepspeed.zero_stage": 0})
-    assert not zero0.offloads_learners(gpu=True)  # ZeRO-0 keeps no partitions to move
-    forced = replace(ppo, **{"train.deepspeed_enable_sleep": True})
-    assert forced.offloads_learners(gpu=False)
-    off = replace(ppo, **{"train.deepspeed_enable_sleep": False})
-    assert not off.offloads_learners(gpu=True)
-    assert not replace(ppo, **{"train.colocate_all": False}).offloads_learners(gpu=True)
-
-
 def test_learner_states_move_only_when_memory_requires_it() -> None:
-    from rlhf.cli.hybrid import Headroom
+    from rlhf.learner.hybrid import Headroom
 
     gib = 2**30
     # 140 GiB device: 5 % reserve = 7 GiB.
@@ -128,7 +110,7 @@ def test_learner_states_move_only_when_memory_requires_it() -> None:
 
 
 def test_the_headroom_counts_each_roles_optimizer_share_per_rank() -> None:
-    from rlhf.cli.hybrid import OPTIMIZER_BYTES_PER_PARAM, measure_headroom
+    from rlhf.learner.hybrid import OPTIMIZER_BYTES_PER_PARAM, measure_headroom
 
     class Group:
         def __init__(self, seen, world_size):
@@ -232,7 +214,7 @@ def test_engines_keep_sleeping_when_training_would_not_fit_next_to_them() -> Non
 
 
 def test_the_reserve_is_the_edge_between_awake_and_asleep() -> None:
-    from rlhf.cli.hybrid import TrainingPeak
+    from rlhf.learner.hybrid import TrainingPeak
 
     edge = TrainingPeak(free_awake_bytes=30 * GIB, training_extra_bytes=23 * GIB,
                         total_bytes=140 * GIB)  # fmt: skip

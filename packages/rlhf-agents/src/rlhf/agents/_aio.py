@@ -7,9 +7,10 @@ import contextlib
 import functools
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
@@ -40,12 +41,12 @@ async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
     return [t.result() for t in tasks]
 
 
-async def in_daemon_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+async def in_daemon_thread(func: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``func(*args, **kwargs)`` on a daemon thread of its own. Unlike `asyncio.to_thread`
     (whose pool threads the interpreter joins at exit), a call abandoned after its timeout that
     never returns cannot keep the process from exiting."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[Any] = loop.create_future()
+    done: asyncio.Future[T] = loop.create_future()
 
     def run() -> None:
         outcome: Callable[[], None]

@@ -16,7 +16,7 @@ import concurrent.futures
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Required, TypedDict, Unpack
 
 import uvicorn
 
@@ -33,7 +33,7 @@ class AgentError(RuntimeError):
     """The agent raised or returned something that is not a reward."""
 
 
-def _coerce_outcome(value: Any, *, where: str) -> tuple[float, float | None, dict[str, float]]:
+def _coerce_outcome(value: object, *, where: str) -> tuple[float, float | None, dict[str, float]]:
     if isinstance(value, dict):
         if "reward" not in value:
             raise AgentError(
@@ -58,6 +58,17 @@ def _coerce_outcome(value: Any, *, where: str) -> tuple[float, float | None, dic
             raise AgentError(f"{where}: metrics[{key!r}] must be a finite number, got {number!r}")
         metrics[str(key)] = metric
     return reward, score, metrics
+
+
+class OpenAIAgentOptions(TypedDict, total=False):
+    """`OpenAIAgentExecutor`'s arguments besides the agent (what `OpenAIAgentExecutor.from_file`
+    passes on)."""
+
+    tokenizer: Required[Tokenizer]
+    generator: Required[Generator]
+    sampling: Required[SamplingParams]
+    max_len: Required[int]
+    max_concurrency: int
 
 
 class _QuietServer(uvicorn.Server):
@@ -85,7 +96,7 @@ class OpenAIAgentExecutor:
     def __init__(
         self,
         *,
-        agent: Callable[..., Any],
+        agent: Callable[..., object],
         tokenizer: Tokenizer,
         generator: Generator,
         sampling: SamplingParams,
@@ -103,7 +114,9 @@ class OpenAIAgentExecutor:
         self.max_concurrency = max_concurrency
 
     @classmethod
-    def from_file(cls, path: str, *, symbol: str = "agent", **kwargs: Any) -> OpenAIAgentExecutor:
+    def from_file(
+        cls, path: str, *, symbol: str = "agent", **kwargs: Unpack[OpenAIAgentOptions]
+    ) -> OpenAIAgentExecutor:
         """Load the agent ``symbol`` from the Python file at ``path``."""
         agent = load_symbol(path, symbol, purpose="agent")
         if not callable(agent):
@@ -111,8 +124,8 @@ class OpenAIAgentExecutor:
         return cls(agent=agent, source=f"agent {symbol} in {path}", **kwargs)
 
     async def _call_agent(
-        self, url: str, prompt: str, label: Any, pool: concurrent.futures.Executor
-    ) -> Any:
+        self, url: str, prompt: str, label: object, pool: concurrent.futures.Executor
+    ) -> object:
         if inspect.iscoroutinefunction(self.agent):
             return await self.agent(url, prompt, label)
         # Sync agents get threads of their own: in the default pool they could take every
@@ -127,7 +140,7 @@ class OpenAIAgentExecutor:
         *,
         base: str,
         prompt: str,
-        label: Any,
+        label: object,
         prompt_index: int,
         sample_index: int,
         seed: int | None,
@@ -190,7 +203,7 @@ class OpenAIAgentExecutor:
         self,
         *,
         prompts: Sequence[str],
-        labels: Sequence[Any],
+        labels: Sequence[object],
         n_samples_per_prompt: int = 1,
         prompt_indices: Sequence[int] | None = None,
         seed: int | None = None,

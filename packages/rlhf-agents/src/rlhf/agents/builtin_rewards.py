@@ -6,16 +6,19 @@
   by a whitelisting `ast` walker — never evaluated as Python. Anything else scores 0.
 - `boxed_format`: 1.0 when the response contains exactly one ``\\boxed{...}`` answer.
 
-Each uses ``kwargs["responses"]`` (the decoded completion alone, which the executors pass) and
-falls back to the query with the prompt removed.
+Each uses its ``responses`` keyword (the decoded completions alone, which the executors pass)
+and falls back to the query with the prompt removed.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import sympy
 
 _SAFE_EXPR = re.compile(r"^[0-9a-z+\-*/^().,\s]*$")
 _LATEX_REPLACEMENTS = (
@@ -32,8 +35,9 @@ _LATEX_REPLACEMENTS = (
 )
 
 
-def _responses(queries: Sequence[str], prompts: Sequence[str], kwargs: dict[str, Any]) -> list[str]:
-    responses = kwargs.get("responses")
+def _responses(
+    queries: Sequence[str], prompts: Sequence[str], responses: Iterable[object] | None
+) -> list[str]:
     if responses is not None:
         return [str(r) for r in responses]
     return [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts, strict=True)]
@@ -81,7 +85,7 @@ def _to_python_source(answer: str) -> str | None:
     return text if _SAFE_EXPR.match(text.replace("**", "^")) else None
 
 
-def _to_sympy(node: ast.AST) -> Any:
+def _to_sympy(node: ast.AST) -> sympy.Expr:
     """Build a sympy expression from a whitelisted AST; nothing is ever evaluated as Python.
 
     Allowed: int/float literals, single-letter symbols, pi and e, + - * / and ** with an
@@ -155,22 +159,32 @@ def answers_equal(predicted: str, label: str) -> bool:
 
 
 def exact_match(
-    queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any], **kwargs: Any
+    queries: Sequence[str],
+    prompts: Sequence[str],
+    labels: Sequence[object],
+    *,
+    responses: Iterable[object] | None = None,
+    **kwargs: object,
 ) -> list[float]:
     """1.0 where the stripped response equals the stripped label."""
     return [
         float(r.strip() == str(label).strip())
-        for r, label in zip(_responses(queries, prompts, kwargs), labels, strict=True)
+        for r, label in zip(_responses(queries, prompts, responses), labels, strict=True)
     ]
 
 
 def math_answer(
-    queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any], **kwargs: Any
-) -> dict[str, Any]:
+    queries: Sequence[str],
+    prompts: Sequence[str],
+    labels: Sequence[object],
+    *,
+    responses: Iterable[object] | None = None,
+    **kwargs: object,
+) -> dict[str, list[float] | dict[str, list[float]]]:
     """1.0 where the last boxed answer equals the label; ``extra_logs`` records whether a boxed
     answer was found at all."""
     rewards, found = [], []
-    for response, label in zip(_responses(queries, prompts, kwargs), labels, strict=True):
+    for response, label in zip(_responses(queries, prompts, responses), labels, strict=True):
         boxed = last_boxed(response)
         found.append(float(boxed is not None))
         rewards.append(float(boxed is not None and answers_equal(boxed, str(label))))
@@ -178,12 +192,17 @@ def math_answer(
 
 
 def boxed_format(
-    queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any], **kwargs: Any
+    queries: Sequence[str],
+    prompts: Sequence[str],
+    labels: Sequence[object],
+    *,
+    responses: Iterable[object] | None = None,
+    **kwargs: object,
 ) -> list[float]:
     """1.0 where the response holds exactly one ``\\boxed{...}`` answer."""
     return [
         float(r.count("\\boxed{") == 1 and last_boxed(r) is not None)
-        for r in _responses(queries, prompts, kwargs)
+        for r in _responses(queries, prompts, responses)
     ]
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol, TypeAlias
 
 from rlhf.agents.loading import load_symbol
 from rlhf.agents.types import finite_float
@@ -38,25 +38,32 @@ class StepResult:
     done: bool = False
     score: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, object] = field(default_factory=dict)
 
 
 class Environment(Protocol):
-    """One episode of a multi-turn task."""
+    """One episode of a multi-turn task. Either method may be a coroutine function: what they
+    return is awaited when awaitable; ``reset``'s value is then ignored, ``step``'s must be a
+    `StepResult` or a dict of its fields (`coerce_step_result`)."""
 
-    def reset(self, prompt: str, label: Any) -> Any: ...
-    def step(self, action_text: str) -> Any: ...
+    def reset(self, prompt: str, label: object, /) -> object: ...
+    def step(self, action_text: str, /) -> object: ...
+
+
+EnvironmentClass: TypeAlias = Callable[..., Environment | Awaitable[Environment]]
+"""What makes one episode's environment: a class, or any callable returning an instance (or
+an awaitable of one)."""
 
 
 class EnvironmentStepError(RuntimeError):
     """An environment misbehaved (raised, returned the wrong type)."""
 
 
-async def maybe_await(value: Any) -> Any:
+async def maybe_await(value: object) -> object:
     return await value if inspect.isawaitable(value) else value
 
 
-def coerce_step_result(value: Any, *, source: str) -> StepResult:
+def coerce_step_result(value: object, *, source: str) -> StepResult:
     """Accept a `StepResult` or a dict with its fields; anything else names what was expected.
 
     Numbers may be Python, numpy or 0-d torch scalars; they come out as floats.
@@ -72,7 +79,7 @@ def coerce_step_result(value: Any, *, source: str) -> StepResult:
             f"got {type(value).__name__}"
         )
 
-    def bad(field_name: str, expected: str, got: Any) -> EnvironmentStepError:
+    def bad(field_name: str, expected: str, got: object) -> EnvironmentStepError:
         return EnvironmentStepError(
             f"{source}: StepResult.{field_name} must be {expected}, got {got!r}"
         )
@@ -100,7 +107,9 @@ def coerce_step_result(value: Any, *, source: str) -> StepResult:
     return dataclasses.replace(value, reward=reward, score=score, metrics=metrics)
 
 
-def _check_construction(cls: Callable[..., Any], kwargs: dict[str, Any], *, source: str) -> None:
+def _check_construction(
+    cls: EnvironmentClass, kwargs: Mapping[str, object], *, source: str
+) -> None:
     """A `TypeError` naming ``source`` when an instance cannot be made from ``kwargs`` alone
     (a constructor, or async ``create``, with a parameter that has no default)."""
     create = getattr(cls, "create", None)
@@ -131,9 +140,9 @@ class EnvironmentFactory:
 
     def __init__(
         self,
-        cls: Callable[..., Any],
+        cls: EnvironmentClass,
         *,
-        env_kwargs: dict[str, Any] | None = None,
+        env_kwargs: Mapping[str, object] | None = None,
         source: str = "environment",
     ) -> None:
         if inspect.iscoroutinefunction(getattr(cls, "__init__", None)):
@@ -151,15 +160,20 @@ class EnvironmentFactory:
 
     @classmethod
     def from_file(
-        cls, path: str, *, symbol: str = "Environment", env_kwargs: dict[str, Any] | None = None
+        cls,
+        path: str,
+        *,
+        symbol: str = "Environment",
+        env_kwargs: Mapping[str, object] | None = None,
     ) -> EnvironmentFactory:
         """Load the environment class ``symbol`` from the Python file at ``path``."""
         env_cls = load_symbol(path, symbol, purpose="environment")
         return cls(env_cls, env_kwargs=env_kwargs, source=f"environment {symbol} in {path}")
 
-    async def create(self) -> Any:
+    async def create(self) -> Environment:
         """A new instance (awaiting ``create`` when the class defines it as a coroutine)."""
         create = getattr(self.cls, "create", None)
         if create is not None and inspect.iscoroutinefunction(create):
             return await create(**self.env_kwargs)
-        return await maybe_await(self.cls(**self.env_kwargs))
+        made = self.cls(**self.env_kwargs)
+        return await made if inspect.isawaitable(made) else made

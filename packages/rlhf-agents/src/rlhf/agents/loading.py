@@ -54,7 +54,8 @@ def load_module(path: str | pathlib.Path, *, purpose: str) -> ModuleType:
 
 
 def load_symbol(path: str | pathlib.Path, symbol: str, *, purpose: str) -> Any:
-    """``symbol`` from the Python file at ``path``; a clear error when it is missing."""
+    """``symbol`` from the Python file at ``path``; a clear error when it is missing. Whatever
+    the file defines there (``Any``, as `getattr` gives): the caller checks what it needs."""
     module = load_module(path, purpose=purpose)
     try:
         return getattr(module, symbol)

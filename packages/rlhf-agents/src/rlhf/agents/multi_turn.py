@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from rlhf.agents._aio import gather_or_cancel, in_daemon_thread
 from rlhf.agents.environments import (
@@ -88,7 +87,7 @@ class MultiTurnExecutor:
     async def _episode(
         self,
         prompt: str,
-        label: Any,
+        label: object,
         prompt_index: int,
         sample_index: int,
         seed: int | None,
@@ -170,7 +169,7 @@ class MultiTurnExecutor:
         )
 
     async def _guarded(
-        self, prompt: str, label: Any, prompt_index: int, sample_index: int, seed: int | None
+        self, prompt: str, label: object, prompt_index: int, sample_index: int, seed: int | None
     ) -> tuple[Trajectory | None, str, str]:
         """An episode under the failure policy: ``(trajectory or None, "" | "skipped" |
         "fallback", the failure's message or "")``."""
@@ -186,7 +185,7 @@ class MultiTurnExecutor:
                 return progress.ended(reward, prompt_index, sample_index), "fallback", str(exc)
             return None, "skipped", str(exc)
 
-    async def _call(self, method: Any, *args: Any, what: str) -> Any:
+    async def _call(self, method: Callable[..., object], *args: object, what: str) -> object:
         """An environment method under ``step_timeout_s``; its failures name ``what``."""
         run = (
             method(*args)
@@ -209,7 +208,7 @@ class MultiTurnExecutor:
         self,
         *,
         prompts: Sequence[str],
-        labels: Sequence[Any],
+        labels: Sequence[object],
         n_samples_per_prompt: int = 1,
         prompt_indices: Sequence[int] | None = None,
         seed: int | None = None,

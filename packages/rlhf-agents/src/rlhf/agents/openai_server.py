@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,8 +113,10 @@ class OpenAICompatibleServer:
         """Remove and return a session."""
         return self.sessions.pop(sid)
 
-    def _sampling_for(self, body: dict[str, Any], room: int) -> SamplingParams:
-        overrides: dict[str, Any] = {}
+    def _sampling_for(self, body: Mapping[str, Any], room: int) -> SamplingParams:
+        """The request's sampling. ``body`` is the parsed JSON request, its fields converted
+        as they come (``int(max_tokens)``, ``tuple(stop)``)."""
+        overrides: dict[str, object] = {}
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         overrides["max_new_tokens"] = min(int(max_tokens or self.sampling.max_new_tokens), room)
         for key in ("temperature", "top_p", "seed"):
@@ -127,7 +130,7 @@ class OpenAICompatibleServer:
         except (TypeError, ValueError) as exc:
             raise SessionError(f"invalid sampling parameters: {exc}") from None
 
-    async def complete(self, sid: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, sid: str, body: Mapping[str, object]) -> dict[str, object]:
         """Serve one chat completion request of session ``sid``."""
         session = self.sessions.get(sid)
         if session is None:
@@ -197,13 +200,13 @@ class OpenAICompatibleServer:
 
     def _response(
         self,
-        body: dict[str, Any],
+        body: Mapping[str, object],
         *,
         content: str,
         finish_reason: FinishReason,
         prompt_tokens: int,
         completion_tokens: int,
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
             "object": "chat.completion",
@@ -233,7 +236,7 @@ class OpenAICompatibleServer:
             error = {"message": str(exc), "type": "invalid_request_error", "code": None}
             return JSONResponse({"error": error}, status_code=400)
 
-        models = {
+        models: dict[str, object] = {
             "object": "list",
             "data": [{"id": self.model_name, "object": "model", "owned_by": "rlhf"}],
         }
@@ -243,11 +246,11 @@ class OpenAICompatibleServer:
             return {"status": "ok"}
 
         @app.get("/v1/models")
-        async def list_models() -> dict[str, Any]:
+        async def list_models() -> dict[str, object]:
             return models
 
         @app.get("/sessions/{sid}/v1/models")
-        async def list_session_models(sid: str) -> dict[str, Any]:
+        async def list_session_models(sid: str) -> dict[str, object]:
             return models
 
         @app.post("/v1/chat/completions")
@@ -257,7 +260,7 @@ class OpenAICompatibleServer:
             )
 
         @app.post("/sessions/{sid}/v1/chat/completions")
-        async def chat_completions(sid: str, request: Request) -> dict[str, Any]:
+        async def chat_completions(sid: str, request: Request) -> dict[str, object]:
             try:
                 body = await request.json()
             except ValueError:

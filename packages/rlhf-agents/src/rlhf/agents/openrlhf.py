@@ -33,9 +33,9 @@ import asyncio
 import contextvars
 import copy
 import inspect
-from collections.abc import Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypedDict, TypeVar
 
 from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.environments import EnvironmentStepError
@@ -43,7 +43,20 @@ from rlhf.agents.loading import user_traceback
 from rlhf.agents.rewards import FailurePolicy
 from rlhf.agents.seeds import request_seed
 from rlhf.agents.single_turn import ExecutorResult, batch_indices
+from rlhf.agents.tokens import CallableTokenizer, Tokenizer
 from rlhf.agents.types import Generator, SamplingParams, Trajectory, finite_float
+
+T = TypeVar("T")
+
+
+class VLLMSamplingParams(Protocol):
+    """Sampling parameters in vLLM's shape, as an agent hands them to ``llm_engine.generate``
+    (`OpenRLHFSamplingParams`, vLLM's ``SamplingParams``, any object with these attributes):
+    ``max_tokens`` is read, and set before each turn by `MultiTurnAgentExecutor`;
+    ``temperature``, ``top_p``, ``top_k``, ``stop``, ``stop_token_ids`` and ``seed`` are read
+    where present."""
+
+    max_tokens: int | None
 
 
 @dataclass
@@ -74,8 +87,10 @@ class OpenRLHFSamplingParams:
         )
 
 
-def ours(params: Any) -> SamplingParams:
+def ours(params: VLLMSamplingParams) -> SamplingParams:
     """An OpenRLHF/vLLM sampling-parameters object as our `SamplingParams`."""
+    if params.max_tokens is None:
+        raise TypeError("sampling_params.max_tokens is None: a generation needs a token budget")
     stop = getattr(params, "stop", None) or ()
     return SamplingParams(
         max_new_tokens=int(params.max_tokens),
@@ -121,6 +136,33 @@ class _Calls:
     seen: list[tuple[int | None, str]] = field(default_factory=list)
 
 
+class LLMEngine(Protocol):
+    """``llm_engine`` as an OpenRLHF executor calls it (`EngineAdapter`)."""
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: VLLMSamplingParams,
+        multi_modal_data: object = None,
+    ) -> RequestOutput: ...
+
+
+class Episode(TypedDict):
+    """OpenRLHF's episode dict, as `MultiTurnAgentExecutor` returns it; `OpenRLHFAgentRunner`
+    reads ``observation_tokens``, ``action_ranges``, ``rollout_log_probs``, ``reward``,
+    ``scores``, ``extra_logs`` and ``truncated`` of any executor's."""
+
+    prompt: str
+    label: object
+    reward: float
+    scores: object
+    observation_tokens: list[int]
+    action_ranges: list[tuple[int, int]]
+    rollout_log_probs: list[float]
+    truncated: bool
+    extra_logs: Mapping[str, object]
+
+
 _EPISODE: contextvars.ContextVar[_Calls | None] = contextvars.ContextVar(
     "openrlhf_episode", default=None
 )
@@ -138,13 +180,16 @@ class EngineAdapter:
         tokenizer: Decodes the sampled tokens into ``text``.
     """
 
-    def __init__(self, *, generator: Generator, tokenizer: Any) -> None:
+    def __init__(self, *, generator: Generator, tokenizer: Tokenizer) -> None:
         self.generator, self.tokenizer = generator, tokenizer
         self.home: asyncio.AbstractEventLoop | None = None
         self.open: list[_Calls] = []
 
     async def generate(
-        self, prompt_token_ids: Sequence[int], sampling_params: Any, multi_modal_data: Any = None
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: VLLMSamplingParams,
+        multi_modal_data: object = None,
     ) -> RequestOutput:
         if multi_modal_data:
             raise ValueError("images in agent prompts are not built yet (issue 45)")
@@ -177,35 +222,40 @@ class EngineAdapter:
 
 
 class AgentExecutorBase:
-    """OpenRLHF's executor contract: one episode per call."""
+    """OpenRLHF's executor contract: one episode per call, returning OpenRLHF's episode dict
+    (see `Episode`)."""
 
     async def execute(
         self,
         prompt: str,
-        label: Any,
-        sampling_params: Any,
+        label: object,
+        sampling_params: OpenRLHFSamplingParams,
         max_length: int,
-        hf_tokenizer: Any,
-        llm_engine: Any,
-        images: Any = None,
-    ) -> dict[str, Any]:
+        hf_tokenizer: CallableTokenizer,
+        llm_engine: LLMEngine,
+        images: object = None,
+    ) -> Mapping[str, Any]:
         raise NotImplementedError("AgentExecutor.execute is not implemented")
 
 
 class AgentInstanceBase:
-    """OpenRLHF's environment contract: ``reset(states)`` and ``step(states)``, both async."""
+    """OpenRLHF's environment contract: ``reset(states)`` and ``step(states)``, both async.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    ``states`` and what the methods return stay OpenRLHF's ``Dict[str, Any]``: their values
+    differ by key (text, the label, sampling parameters, numbers or tensors) and are read
+    duck-typed, and agent files override these methods with OpenRLHF's annotations."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    async def reset(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    async def reset(self, states: dict[str, Any], **kwargs: object) -> dict[str, Any]:
         return states
 
-    async def step(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    async def step(self, states: dict[str, Any], **kwargs: object) -> dict[str, Any]:
         raise NotImplementedError("AgentInstance.step is not implemented")
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
+def _ids(tokenizer: CallableTokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -233,19 +283,19 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             )
         self.agent_instance_cls = agent_instance_cls
 
-    async def _within(self, call: Any, what: str) -> Any:
+    async def _within(self, call: Awaitable[T], what: str) -> T:
         return await _deadline(call, self.step_timeout_s, what)
 
     async def execute(
         self,
         prompt: str,
-        label: Any,
-        sampling_params: Any,
+        label: object,
+        sampling_params: VLLMSamplingParams,
         max_length: int,
-        hf_tokenizer: Any,
-        llm_engine: Any,
-        images: Any = None,
-    ) -> dict[str, Any]:
+        hf_tokenizer: CallableTokenizer,
+        llm_engine: LLMEngine,
+        images: object = None,
+    ) -> Episode:
         agent = self.agent_instance_cls()
         reset = await self._within(agent.reset({"observation": prompt, "label": label}), "reset()")
         observation = reset["observation"]
@@ -256,8 +306,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         ranges: list[tuple[int, int]] = []
         total, scores, extra, truncated = 0.0, None, {}, False
         while True:
-            sampling_params.max_tokens = max_length - len(tokens)
-            if sampling_params.max_tokens <= 0:
+            budget = max_length - len(tokens)
+            sampling_params.max_tokens = budget
+            if budget <= 0:
                 break
             out = (await llm_engine.generate(tokens, copy.deepcopy(sampling_params))).outputs[0]
             action = list(out.token_ids)
@@ -300,7 +351,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         }
 
 
-async def _deadline(call: Any, timeout_s: float | None, what: str) -> Any:
+async def _deadline(call: Awaitable[T], timeout_s: float | None, what: str) -> T:
     if timeout_s is None:
         return await call
     try:
@@ -312,14 +363,14 @@ async def _deadline(call: Any, timeout_s: float | None, what: str) -> Any:
         ) from None
 
 
-def _number(value: Any, *, what: str) -> float:
+def _number(value: object, *, what: str) -> float:
     number = finite_float(value)
     if number is None:
         raise ValueError(f"{what} must be a finite number or 0-d tensor, got {value!r}")
     return number
 
 
-def is_agent_executor(cls: Any) -> bool:
+def is_agent_executor(cls: object) -> bool:
     """``cls`` is an OpenRLHF-style executor class (an `AgentExecutorBase` subclass)."""
     return isinstance(cls, type) and issubclass(cls, AgentExecutorBase)
 
@@ -346,7 +397,7 @@ class OpenRLHFAgentRunner:
         *,
         executor: AgentExecutorBase,
         source: str,
-        tokenizer: Any,
+        tokenizer: CallableTokenizer,
         generator: Generator,
         sampling: SamplingParams,
         max_len: int,
@@ -364,7 +415,7 @@ class OpenRLHFAgentRunner:
             executor.step_timeout_s = step_timeout_s
 
     async def _episode(
-        self, prompt: str, label: Any, prompt_index: int, sample_index: int, seed: int | None
+        self, prompt: str, label: object, prompt_index: int, sample_index: int, seed: int | None
     ) -> Trajectory | str:
         """The episode's trajectory, or (under a skip/fallback policy) its failure's message."""
         where = f"{self.source} (prompt {prompt_index}, sample {sample_index})"
@@ -393,7 +444,7 @@ class OpenRLHFAgentRunner:
         self,
         *,
         prompts: Sequence[str],
-        labels: Sequence[Any],
+        labels: Sequence[object],
         n_samples_per_prompt: int = 1,
         prompt_indices: Sequence[int] | None = None,
         seed: int | None = None,
@@ -431,7 +482,7 @@ class OpenRLHFAgentRunner:
 
 
 def _trajectory(
-    out: dict[str, Any], calls: _Calls, prompt_index: int, sample_index: int
+    out: Mapping[str, Any], calls: _Calls, prompt_index: int, sample_index: int
 ) -> Trajectory:
     """OpenRLHF's episode dict as a `Trajectory` (its reward summed over the episode, on the
     last action token). Its weight version and finish reason are its last generation's; when
@@ -486,9 +537,12 @@ __all__ = [
     "AgentExecutorBase",
     "AgentInstanceBase",
     "EngineAdapter",
+    "Episode",
+    "LLMEngine",
     "MultiTurnAgentExecutor",
     "OpenRLHFAgentRunner",
     "OpenRLHFSamplingParams",
     "RequestOutput",
+    "VLLMSamplingParams",
     "is_agent_executor",
 ]

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import httpx
 
@@ -77,6 +77,14 @@ class RemoteRewardConfig:
             raise ValueError(
                 f"reward.max_batch_size must be >= 1 or None, got {self.max_batch_size}"
             )
+
+
+class RewardRequest(TypedDict):
+    """The JSON body of one request (OpenRLHF's wire format): one entry per sample."""
+
+    query: list[str]
+    prompts: list[str]
+    labels: list[object]
 
 
 class _RequestError(Exception):
@@ -150,7 +158,7 @@ class RemoteReward:
             await self._client.aclose()
         self._client = self._semaphore = self._loop = None
 
-    async def _post_once(self, url: str, payload: dict[str, Any], n: int) -> Any:
+    async def _post_once(self, url: str, payload: RewardRequest, n: int) -> dict[str, object]:
         client, _ = self._bind()
         try:
             # A hard deadline: httpx's own timeout applies per read, so a server that trickles
@@ -214,7 +222,7 @@ class RemoteReward:
                 f"most {_seconds(self._left_s(attempt, elapsed))} s)",
             )
 
-    async def _post(self, url: str, payload: dict[str, Any], n: int) -> Any:
+    async def _post(self, url: str, payload: RewardRequest, n: int) -> dict[str, object]:
         attempt = 0
         while True:
             _, semaphore = self._bind()
@@ -245,8 +253,8 @@ class RemoteReward:
         *,
         queries: Sequence[str],
         prompts: Sequence[str],
-        labels: Sequence[Any],
-        **kwargs: Any,
+        labels: Sequence[object],
+        **kwargs: object,
     ) -> RewardBatch:
         """Score a batch on the servers; see the module docstring."""
         batch = new_batch(queries, prompts, labels)
@@ -257,7 +265,7 @@ class RemoteReward:
         requests = []
         for i, (lo, hi) in enumerate(bounds):
             url = self.config.urls[i % len(self.config.urls)]
-            payload = {
+            payload: RewardRequest = {
                 "query": list(queries[lo:hi]),
                 "prompts": list(prompts[lo:hi]),
                 "labels": list(labels[lo:hi]),

@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
 from rlhf.agents._aio import in_daemon_thread
 from rlhf.agents.loading import load_symbol, user_traceback
@@ -81,13 +81,20 @@ class RewardScorer(Protocol):
         *,
         queries: Sequence[str],
         prompts: Sequence[str],
-        labels: Sequence[Any],
-        **kwargs: Any,
+        labels: Sequence[object],
+        **kwargs: object,
     ) -> RewardBatch: ...
 
 
-def _as_list(value: Any, *, what: str, n: int, source: str) -> list[Any]:
-    if hasattr(value, "tolist"):
+@runtime_checkable
+class _ToList(Protocol):
+    """A tensor or array: its entries as Python values from ``tolist()``."""
+
+    def tolist(self) -> object: ...
+
+
+def _as_list(value: object, *, what: str, n: int, source: str) -> list[object]:
+    if isinstance(value, _ToList):
         value = value.tolist()
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
         raise RewardError(
@@ -98,7 +105,7 @@ def _as_list(value: Any, *, what: str, n: int, source: str) -> list[Any]:
     return list(value)
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     """A finite float, or None for anything that is not one."""
     return finite_float(value)
 
@@ -110,7 +117,7 @@ class _Parsed:
     extra_logs: dict[str, list[float]]
 
 
-def parse_reward_output(output: Any, *, n: int, source: str) -> _Parsed:
+def parse_reward_output(output: object, *, n: int, source: str) -> _Parsed:
     """Validate a reward function's (or server's) output for a batch of ``n`` samples.
 
     Structural problems (wrong type, wrong length, missing ``rewards``) raise `RewardError`;
@@ -147,7 +154,7 @@ def parse_reward_output(output: Any, *, n: int, source: str) -> _Parsed:
     return _Parsed([_number(r) for r in rewards], [_number(s) for s in scores], extra)
 
 
-def describe_bad_value(value: Any) -> str:
+def describe_bad_value(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
@@ -170,7 +177,9 @@ class PolicyApplier:
             batch.metrics["reward/fallback"] = batch.metrics.get("reward/fallback", 0.0) + 1
 
 
-def new_batch(queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardBatch:
+def new_batch(
+    queries: Sequence[str], prompts: Sequence[str], labels: Sequence[object]
+) -> RewardBatch:
     """An all-valid placeholder batch, after checking the three inputs have one entry per sample."""
     n = len(queries)
     if len(prompts) != n or len(labels) != n:
@@ -184,7 +193,10 @@ def new_batch(queries: Sequence[str], prompts: Sequence[str], labels: Sequence[A
 def fill(
     batch: RewardBatch, offset: int, parsed: _Parsed, applier: PolicyApplier, raw: Any
 ) -> None:
-    """Copy ``parsed`` into ``batch`` at ``offset``, applying the policy to bad entries."""
+    """Copy ``parsed`` into ``batch`` at ``offset``, applying the policy to bad entries.
+
+    ``raw`` is the output ``parsed`` came from, as returned (a sequence, tensor or array of
+    rewards, or a dict holding one): a bad entry is named as it was returned, indexed there."""
     for i, (r, s) in enumerate(zip(parsed.rewards, parsed.scores, strict=True)):
         j = offset + i
         if r is None:
@@ -214,7 +226,7 @@ class FunctionReward:
 
     def __init__(
         self,
-        func: Callable[..., Any],
+        func: Callable[..., object],
         *,
         source: str = "reward function",
         policy: FailurePolicy | None = None,
@@ -249,8 +261,12 @@ class FunctionReward:
         return cls(func, source=source, policy=policy, batch_size=batch_size, timeout_s=timeout_s)
 
     async def _call(
-        self, queries: list[str], prompts: list[str], labels: list[Any], kwargs: dict[str, Any]
-    ) -> Any:
+        self,
+        queries: list[str],
+        prompts: list[str],
+        labels: list[object],
+        kwargs: Mapping[str, object],
+    ) -> object:
         if inspect.iscoroutinefunction(self.func):
             return await self.func(queries, prompts, labels, **kwargs)
         result = await in_daemon_thread(self.func, queries, prompts, labels, **kwargs)
@@ -259,7 +275,14 @@ class FunctionReward:
         return result
 
     async def _score_slice(
-        self, batch: RewardBatch, lo: int, hi: int, queries, prompts, labels, kwargs: dict[str, Any]
+        self,
+        batch: RewardBatch,
+        lo: int,
+        hi: int,
+        queries: Sequence[str],
+        prompts: Sequence[str],
+        labels: Sequence[object],
+        kwargs: Mapping[str, object],
     ) -> None:
         sub_kwargs = {
             k: (v[lo:hi] if _is_per_sample(v, len(queries)) else v) for k, v in kwargs.items()
@@ -296,8 +319,8 @@ class FunctionReward:
         *,
         queries: Sequence[str],
         prompts: Sequence[str],
-        labels: Sequence[Any],
-        **kwargs: Any,
+        labels: Sequence[object],
+        **kwargs: object,
     ) -> RewardBatch:
         """Score a batch; see the module docstring for formats and failure policies."""
         batch = new_batch(queries, prompts, labels)
@@ -308,5 +331,5 @@ class FunctionReward:
         return batch
 
 
-def _is_per_sample(value: Any, n: int) -> bool:
+def _is_per_sample(value: object, n: int) -> TypeGuard[list[object] | tuple[object, ...]]:
     return isinstance(value, list | tuple) and len(value) == n

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from rlhf.agents._aio import gather_or_cancel
 from rlhf.agents.groups import sample_group
@@ -39,7 +39,7 @@ class Executor(Protocol):
         self,
         *,
         prompts: Sequence[str],
-        labels: Sequence[Any],
+        labels: Sequence[object],
         n_samples_per_prompt: int = 1,
         prompt_indices: Sequence[int] | None = None,
         seed: int | None = None,
@@ -51,7 +51,7 @@ class Executor(Protocol):
 
 def batch_indices(
     prompts: Sequence[str],
-    labels: Sequence[Any],
+    labels: Sequence[object],
     *,
     n_samples_per_prompt: int,
     prompt_indices: Sequence[int] | None,
@@ -103,7 +103,7 @@ class SingleTurnExecutor:
         self,
         *,
         prompts: Sequence[str],
-        labels: Sequence[Any],
+        labels: Sequence[object],
         n_samples_per_prompt: int = 1,
         prompt_indices: Sequence[int] | None = None,
         seed: int | None = None,

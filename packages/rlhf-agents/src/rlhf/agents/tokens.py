@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 _USER_PROBE = "\u2402probe-user\u2402"
 _ASSISTANT_PROBE = "\u2402probe-assistant\u2402"
@@ -12,11 +12,32 @@ _ASSISTANT_PROBE = "\u2402probe-assistant\u2402"
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer the executors use."""
 
-    chat_template: Any
+    @property
+    def chat_template(self) -> str | Mapping[str, str] | None:
+        """The chat template (or named templates); None or empty: the tokenizer has none."""
+        ...
 
     def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = ...) -> str: ...
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        *,
+        tokenize: bool = ...,
+        add_generation_prompt: bool = ...,
+    ) -> object:
+        """The conversation rendered (``tokenize=False``: as text; the executors take its
+        ``str``)."""
+        ...
+
+
+class CallableTokenizer(Tokenizer, Protocol):
+    """A `Tokenizer` that is also called as Hugging Face's are, the way OpenRLHF's executors
+    encode text: ``tokenizer(text, add_special_tokens=False)["input_ids"]``."""
+
+    def __call__(
+        self, text: str, *, add_special_tokens: bool = ...
+    ) -> Mapping[str, Sequence[int]]: ...
 
 
 def encode_prompt(

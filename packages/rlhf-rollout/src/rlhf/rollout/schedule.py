@@ -25,7 +25,10 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rlhf.agents import Trajectory
 
 _TUPLE_FIELDS = ("token_ids", "action_mask", "rollout_logprobs", "turn_rewards", "turn_ends")
 
@@ -44,11 +47,11 @@ class Rollout:
     """
 
     step: int
-    trajectories: list[Any]
-    metrics: dict[str, Any]
-    sampler_state: dict[str, Any]
+    trajectories: list[Trajectory]
+    metrics: dict[str, float]
+    sampler_state: dict[str, object]
 
-    def to_state(self) -> dict[str, Any]:
+    def to_state(self) -> dict[str, object]:
         """Plain JSON-able data (for checkpoints)."""
         return {
             "step": self.step,
@@ -59,6 +62,7 @@ class Rollout:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Rollout:
+        """A rollout from `to_state`'s data (read back from a checkpoint, so unchecked)."""
         from rlhf.agents import Trajectory
 
         def fields(t: dict[str, Any]) -> dict[str, Any]:  # to_state's asdict, tuples back
@@ -80,11 +84,11 @@ class StepRunner(Protocol):
         """Sample the batch of ``step`` with the weights the engines hold now."""
         ...
 
-    def learn(self, rollout: Rollout) -> dict[str, Any]:
+    def learn(self, rollout: Rollout) -> dict[str, float]:
         """Train step ``rollout.step`` on it (blocking); returns the step's metrics."""
         ...
 
-    def sync(self, version: int, *, pause: bool) -> dict[str, Any]:
+    def sync(self, version: int, *, pause: bool) -> dict[str, float]:
         """Load the actor's weights into every engine as ``version`` (blocking); with
         ``pause``, the engines are paused around the load (requests in flight kept)."""
         ...
@@ -93,7 +97,7 @@ class StepRunner(Protocol):
         """Whether a checkpoint follows ``step``."""
         ...
 
-    def finish(self, step: int, metrics: dict[str, Any], queue: list[Rollout]) -> Awaitable[None]:
+    def finish(self, step: int, metrics: dict[str, float], queue: list[Rollout]) -> Awaitable[None]:
         """Log, evaluate and checkpoint after ``step``; ``queue`` holds the rollouts already
         sampled for later steps (complete whenever `saves_at` says so)."""
         ...

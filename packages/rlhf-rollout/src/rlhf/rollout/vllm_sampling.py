@@ -6,9 +6,13 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from rlhf.agents import SamplingParams
+
+if TYPE_CHECKING:
+    import vllm
+    import vllm.sampling_params
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -20,8 +24,16 @@ def hf_config(model: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+class _Clone(TypedDict, total=False):
+    """``skip_clone``, where this vLLM's sampling parameters have it."""
+
+    skip_clone: bool
+
+
 @functools.cache
-def _sampling_types() -> tuple[Any, Any, dict[str, Any]]:
+def _sampling_types() -> tuple[
+    type[vllm.SamplingParams], type[vllm.sampling_params.RequestOutputKind], _Clone
+]:
     """vLLM's ``SamplingParams`` and ``RequestOutputKind``, and the arguments that make its
     per-request copies shallow, looked up once: ``from vllm import …`` goes through vLLM's
     lazy module attributes on every call (seeded requests all differ, so each one paid it)."""
@@ -33,7 +45,7 @@ def _sampling_types() -> tuple[Any, Any, dict[str, Any]]:
 
 
 @functools.lru_cache(maxsize=256)
-def vllm_sampling(sampling: SamplingParams, n: int = 1) -> Any:
+def vllm_sampling(sampling: SamplingParams, n: int = 1) -> vllm.SamplingParams:
     """vLLM's sampling parameters for ``sampling`` (``n`` samples of one request: the
     ``i``-th seeded with ``seed + i``), made once per distinct ``(sampling, n)`` and shared
     by its requests: vLLM copies them per request, shallowly where it can (``skip_clone``;

@@ -7,14 +7,26 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Collection, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlhf.rollout.errors import EngineError
 from rlhf.rollout.readback import TIED, LiveDigest, refresh_tied_lm_head
-from rlhf.weights import DTYPES, WeightBucket, as_uint8, digest_of, iter_tensors, pack_buckets
+from rlhf.weights import (
+    DTYPES,
+    TensorMeta,
+    WeightBucket,
+    as_uint8,
+    digest_of,
+    iter_tensors,
+    pack_buckets,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.gpu_worker import Worker
 
 _SAFETENSORS_DTYPES = {
     "F32": "float32",
@@ -66,7 +78,7 @@ def _covers(entries: Sequence[LiveDigest], shape: Sequence[int]) -> bool:
     return reached >= shape[dim]
 
 
-def _expected(bucket: WeightBucket, meta: Any, entry: LiveDigest, algorithm: str) -> str:
+def _expected(bucket: WeightBucket, meta: TensorMeta, entry: LiveDigest, algorithm: str) -> str:
     """The digest the engine must report for ``entry`` if it serves the sync's tensor: the
     sender's own checksum when it covers the same bytes, else the digest of the tensor (its
     slice) cast to the engine's dtype."""
@@ -82,7 +94,7 @@ def _expected(bucket: WeightBucket, meta: Any, entry: LiveDigest, algorithm: str
     return digest_of(algorithm)(cast.view(-1).view(torch.uint8))
 
 
-def load_on_worker(worker: Any, buckets: list[WeightBucket]) -> None:
+def load_on_worker(worker: Worker, buckets: list[WeightBucket]) -> None:
     """On each vLLM worker (in its own process under tensor parallelism, which receives the
     sync whole and keeps its slices through vLLM's weight loaders): layer-wise reload of the
     checkpoint-format tensors, then the tied head's refresh."""
@@ -90,9 +102,10 @@ def load_on_worker(worker: Any, buckets: list[WeightBucket]) -> None:
     refresh_tied_lm_head(worker)
 
 
-def load_buckets(llm_engine: Any, buckets: list[WeightBucket]) -> None:
+def load_buckets(llm_engine: LLMEngine, buckets: list[WeightBucket]) -> None:
     """On the engine thread: every worker loads the sync."""
-    llm_engine.collective_rpc(load_on_worker, args=(buckets,))
+    # vLLM annotates the method as taking the worker alone; ``args`` passes the rest.
+    llm_engine.collective_rpc(load_on_worker, args=(buckets,))  # pyright: ignore[reportArgumentType]
     # Requests in flight (a paused partial rollout) are preempted and recomputed with the new
     # weights, so no KV block computed with the old ones survives.
     if not llm_engine.reset_prefix_cache(reset_running_requests=True):
@@ -129,7 +142,7 @@ def checkpoint_buckets(model_dir: str, bucket_bytes: int) -> list[WeightBucket]:
     """Every tensor of ``model_dir``'s safetensors files as one version-0 sync."""
     from safetensors import safe_open
 
-    def tensors() -> Any:
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)

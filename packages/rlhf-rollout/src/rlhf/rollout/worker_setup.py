@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any
 
 
-def reseed(worker: Any, seed: int) -> None:
+def reseed(worker: object, seed: int) -> None:
     """In a vLLM worker: Python's, NumPy's and torch's generators seeded as at its start
     (vLLM seeds them with the engine's seed), for requests that carry no seed of their own."""
     import random

@@ -20,7 +20,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -92,6 +92,19 @@ class TensorMeta:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
+class WireHeader(TypedDict):
+    """`BucketHeader.to_wire`'s plain, JSON-able form; ``tensors`` holds one ``[name, dtype,
+    shape, offset, checksum]`` list per tensor."""
+
+    version: int
+    index: int
+    total: int | None
+    nbytes: int
+    checksum: str
+    checksum_algorithm: str
+    tensors: list[list[str | int | list[int]]]
+
+
 _WIRE_KEYS = ("version", "index", "total", "nbytes", "checksum", "checksum_algorithm", "tensors")
 
 
@@ -118,7 +131,7 @@ class BucketHeader:
     checksum: str
     checksum_algorithm: str
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> WireHeader:
         """The header as plain, JSON-able data (`from_wire` reads it back)::
 
         {"version": int, "index": int, "total": int | None, "nbytes": int,

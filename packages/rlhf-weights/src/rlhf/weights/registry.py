@@ -26,14 +26,18 @@ class Sender(Protocol):
     (a group member returns the number of buckets sent); ``close`` releases what the last
     sync kept alive (a segment, IPC buffers, the group membership)."""
 
-    def send(self, buckets: Iterable[WeightBucket]) -> Any: ...
+    def send(self, buckets: Iterable[WeightBucket]) -> object: ...
 
     def close(self) -> None: ...
 
 
 class Receiver(Protocol):
     """An engine's end of a sync-object transport: the buckets of ``sync``, to be checked with
-    `rlhf.weights.validate_sync` before anything is loaded."""
+    `rlhf.weights.validate_sync` before anything is loaded.
+
+    ``sync`` is the type its transport's sender makes (`TransportSpec.sync_type`); the registry
+    pairs a receiver with that type at run time (`receivers`), which no static type says, so
+    the parameter stays ``Any`` (an implementation names its own sync type)."""
 
     def receive(self, sync: Any) -> list[WeightBucket]: ...
 
@@ -49,7 +53,10 @@ class Measured(Protocol):
 
 
 class GroupMember(Sender, Protocol):
-    """A group transport's member: rank 0 sends, the others ``receive`` the next sync."""
+    """A group transport's member: rank 0 sends (returning the number of buckets sent), the
+    others ``receive`` the next sync."""
+
+    def send(self, buckets: Iterable[WeightBucket]) -> int: ...
 
     def receive(self) -> list[WeightBucket]: ...
 
@@ -132,7 +139,7 @@ class TransportSpec:
     sender: Callable[[], Sender] | None = None
     receiver: Callable[[], Receiver] | None = None
     sync_type: type | None = None
-    new_group: Callable[..., Any] | None = None
+    new_group: Callable[..., object] | None = None
     join: Callable[..., GroupMember] | None = None
     requires: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 

@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from rlhf.weights.format import BucketHeader, WeightBucket, WeightSyncError, as_uint8
 from rlhf.weights.ports import free_port
 from rlhf.weights.registry import TransportSpec, register
+
+if TYPE_CHECKING:
+    from torch.types import Device
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,8 @@ class BroadcastGroupSpec:
     timeout_s: float = 300.0
 
 
-def _nccl() -> Any:
+def _nccl() -> ModuleType:
+    """CuPy's ``cupy.cuda.nccl`` (untyped: CuPy ships no stubs)."""
     try:
         from cupy.cuda import nccl  # pyright: ignore[reportMissingImports]
     except ImportError as exc:
@@ -94,7 +99,7 @@ class _Collective(Protocol):
 class _Gloo:
     """A ``ProcessGroupGloo`` over rank 0's ``TCPStore``; CPU tensors."""
 
-    def __init__(self, spec: BroadcastGroupSpec, rank: int, device: Any) -> None:
+    def __init__(self, spec: BroadcastGroupSpec, rank: int, device: Device) -> None:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -111,6 +116,8 @@ class _Gloo:
         )
         self._store = store  # rank 0 hosts it: keep it for the group's life
         prefixed = dist.PrefixStore("rlhf-weights", store)  # pyright: ignore[reportPrivateImportUsage]
+        # Any: torch's stub of ProcessGroupGloo lacks the collectives (``broadcast``) that
+        # its C++ class has.
         self._group: Any = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
@@ -125,23 +132,34 @@ class _Gloo:
         self._store = None
 
 
+class _NcclComm(Protocol):
+    """What this module calls on a ``cupy.cuda.nccl.NcclCommunicator``."""
+
+    def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None: ...
+
+    def destroy(self) -> None: ...
+
+
 class _Nccl:
     """A CuPy NCCL communicator on this rank's GPU (kept apart from the process groups that
     vLLM and the learner build with torch.distributed)."""
 
-    def __init__(self, spec: BroadcastGroupSpec, rank: int, device: Any) -> None:
+    def __init__(self, spec: BroadcastGroupSpec, rank: int, device: Device) -> None:
         nccl = _nccl()
         import cupy  # pyright: ignore[reportMissingImports]
 
         index = torch.cuda.current_device() if device is None else torch.device(device).index
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         with cupy.cuda.Device(self.device.index):
-            self._comm: Any = nccl.NcclCommunicator(spec.world_size, tuple(spec.unique_id), rank)
+            self._comm: _NcclComm | None = nccl.NcclCommunicator(
+                spec.world_size, tuple(spec.unique_id), rank
+            )
         self._uint8 = nccl.NCCL_UINT8
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         stream = torch.cuda.current_stream(self.device)
         raw = tensor.view(torch.uint8)
+        assert self._comm is not None, "broadcast on a closed NCCL communicator"
         self._comm.bcast(raw.data_ptr(), raw.numel(), self._uint8, 0, stream.cuda_stream)
         stream.synchronize()
 
@@ -151,7 +169,10 @@ class _Nccl:
             comm.destroy()
 
 
-_COLLECTIVES: dict[str, type] = {"gloo": _Gloo, "nccl": _Nccl}
+_COLLECTIVES: dict[str, Callable[[BroadcastGroupSpec, int, Device], _Collective]] = {
+    "gloo": _Gloo,
+    "nccl": _Nccl,
+}
 
 
 class BroadcastGroup:
@@ -167,7 +188,7 @@ class BroadcastGroup:
             ``spec.timeout_s``), naming the spec.
     """
 
-    def __init__(self, spec: BroadcastGroupSpec, *, rank: int, device: Any = None) -> None:
+    def __init__(self, spec: BroadcastGroupSpec, *, rank: int, device: Device = None) -> None:
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside a group of {spec.world_size}")
         if spec.backend not in _COLLECTIVES:
@@ -251,7 +272,7 @@ class BroadcastGroup:
             collective.close()
 
 
-def _new_group(*, world_size: int, device: Any, host: str) -> BroadcastGroupSpec:
+def _new_group(*, world_size: int, device: torch.device | str, host: str) -> BroadcastGroupSpec:
     """Rank 0's new group: gloo over ``host`` for CPU tensors, else NCCL."""
     gloo = torch.device(device).type != "cuda"
     return new_broadcast_group(
@@ -261,7 +282,7 @@ def _new_group(*, world_size: int, device: Any, host: str) -> BroadcastGroupSpec
     )
 
 
-def _join(spec: BroadcastGroupSpec, *, rank: int, device: Any = None) -> BroadcastGroup:
+def _join(spec: BroadcastGroupSpec, *, rank: int, device: Device = None) -> BroadcastGroup:
     return BroadcastGroup(spec, rank=rank, device=device)
 
 

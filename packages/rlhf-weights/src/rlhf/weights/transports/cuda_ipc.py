@@ -11,9 +11,8 @@ run as torch ops on the GPU) and loads from the mapped memory: nothing crosses t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -35,7 +34,7 @@ class CudaIpcSync:
     """
 
     headers: tuple[BucketHeader, ...]
-    handles: tuple[tuple[Any, tuple[Any, ...]], ...]
+    handles: tuple[tuple[Callable[..., torch.Tensor], tuple[object, ...]], ...]
     device_uuid: str
 
 

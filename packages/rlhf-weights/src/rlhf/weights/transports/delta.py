@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -39,6 +39,14 @@ from rlhf.weights.format import DTYPES, BucketHeader, WeightBucket, WeightSyncEr
 from rlhf.weights.registry import TRANSPORTS, GroupMember, Receiver, Sender, TransportSpec, register
 from rlhf.weights.transports.broadcast import SPEC as BROADCAST
 from rlhf.weights.transports.shared_memory import SPEC as SHARED_MEMORY
+
+if TYPE_CHECKING:
+    from torch.types import Device
+
+    from rlhf.weights.transports.broadcast import BroadcastGroupSpec
+
+_SyncT = TypeVar("_SyncT")
+"""What an inner transport's send returns: a sync object, or a group's bucket count."""
 
 DELTA = "delta"
 """The checksum-algorithm field that marks a delta bucket on the wire."""
@@ -199,8 +207,8 @@ class DeltaEncoder:
             yield sent
 
     def send(
-        self, send: Callable[[Iterable[WeightBucket]], Any], buckets: Iterable[WeightBucket]
-    ) -> Any:
+        self, send: Callable[[Iterable[WeightBucket]], _SyncT], buckets: Iterable[WeightBucket]
+    ) -> _SyncT:
         """What ``send`` (the inner transport's) returns for ``buckets`` encoded. Once it
         returned, this sync is the base of the next; if it raised, the base is dropped (the
         receivers may hold either sync: the next goes whole)."""
@@ -245,7 +253,7 @@ class DeltaSender:
 class DeltaSync:
     """A delta transport's sync: the inner transport's sync of the encoded buckets."""
 
-    inner: Any
+    inner: object
 
 
 class DeltaReceiver:
@@ -309,7 +317,7 @@ class DeltaMember:
         self.encoder = DeltaEncoder()
         self.base = _Base()
 
-    def send(self, buckets: Iterable[WeightBucket]) -> Any:
+    def send(self, buckets: Iterable[WeightBucket]) -> int:
         return self.encoder.send(self.inner.send, buckets)
 
     def receive(self) -> list[WeightBucket]:
@@ -330,7 +338,7 @@ def _shared_memory_sender() -> Sender:
     return SHARED_MEMORY.sender()
 
 
-def _join_delta(spec: Any, *, rank: int, device: Any = None) -> DeltaMember:
+def _join_delta(spec: BroadcastGroupSpec, *, rank: int, device: Device = None) -> DeltaMember:
     assert BROADCAST.join is not None
     return DeltaMember(BROADCAST.join(spec, rank=rank, device=device))
 

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlhf.weights.format import BucketHeader, WeightBucket, WeightSyncError, as_uint8
 from rlhf.weights.registry import TransportSpec, register
+
+if TYPE_CHECKING:
+    import numpy as np
+    from ray import ObjectRef
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,7 @@ class ObjectStoreSync:
     """
 
     headers: tuple[BucketHeader, ...]
-    refs: tuple[Any, ...]
+    refs: tuple[ObjectRef[np.ndarray], ...]
 
 
 class ObjectStoreSender:

@@ -91,8 +91,7 @@ def test_a_registered_backend_answers_for_its_roles(monkeypatch) -> None:
     """A third backend entry registered in `rlhf.cli.backends.BACKENDS` is what the role, the
     plan, the planner and validation ask: no branch on backend names stands in its way."""
     from rlhf.cli import backends
-    from rlhf.cli.dry_run import compute_bytes
-    from rlhf.cli.plan import trains_on
+    from rlhf.cli.dry_run import compute_bytes, trains_on
     from rlhf.cli.sections import RoleConfig
     from rlhf.molt.entry import MoltEntry
 

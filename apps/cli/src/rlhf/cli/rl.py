@@ -38,9 +38,9 @@ from rlhf.cli.data import (
     check_prompts,
     prompt_sources,
 )
+from rlhf.cli.dry_run import plan
 from rlhf.cli.faults import actor_died, resume_hint
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
-from rlhf.cli.plan import plan
 from rlhf.cli.resume import check_resume
 from rlhf.cli.revive import enable_revival
 from rlhf.cli.roles import Roles, start_roles

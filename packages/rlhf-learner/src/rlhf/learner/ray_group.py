@@ -165,8 +165,9 @@ class RankWorker:
         self.senders.join(self.built, kind=kind, group=group)
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(backend, *args)`` in this rank's process."""
-        return fn(self.built, *args)
+        """``fn(backend, *args)`` in this rank's process (``backend`` None before `build`:
+        a function may set up the rank's process itself)."""
+        return fn(self.backend, *args)
 
 
 def gather_ranks(refs: Sequence[ObjectRef[T]]) -> list[T]:

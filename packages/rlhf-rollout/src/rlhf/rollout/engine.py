@@ -20,14 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple, cast, overload
 
 from rlhf.agents import Generation, SamplingParams
 from rlhf.rollout.config import EngineConfig, cpu_kv_cache_bytes
 from rlhf.rollout.errors import EngineError
+from rlhf.rollout.in_flight import InFlight
 from rlhf.rollout.readback import LiveDigest, live_digests, spot_check_names, verify_mode
-from rlhf.rollout.vllm_sampling import FINISH, GREEDY_BELOW, hf_config, vllm_sampling
+from rlhf.rollout.vllm_sampling import GREEDY_BELOW, hf_config, vllm_sampling
 from rlhf.rollout.weight_checks import (
     checkpoint_buckets,
     load_buckets,
@@ -39,19 +39,11 @@ from rlhf.weights import WeightBucket, WeightSyncError, as_uint8, digest_of, val
 
 if TYPE_CHECKING:
     from vllm.config.model import ModelDType
-    from vllm.logprobs import FlatLogprobs
-    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.outputs import RequestOutput
     from vllm.v1.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
-
-
-@dataclass
-class _Request:
-    future: Future[Generation | list[Generation]]  # its Generation, or a group's list of them
-    group: int = 0  # n of a group request, 0 for one sample
-    weight_version: int = -1  # set at the first engine step after it arrived
 
 
 class VLLMEngine:
@@ -76,8 +68,7 @@ class VLLMEngine:
         # n), vLLM's sampling params, its future); ``abort``: (request id, None, None);
         # ``call``: (fn, args, its future). Any: the tuple is unpacked before its kind is read.
         self._inbox: queue.Queue[tuple[str, Any, Any, Future[Any] | None] | None] = queue.Queue()
-        self._pending: dict[str, _Request] = {}
-        self._unstepped: list[_Request] = []  # added since the last step
+        self._requests = InFlight()
         self._ids = itertools.count()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -88,9 +79,6 @@ class VLLMEngine:
         # Why the served weights are unknown (a level-2 sleep, a failed verification), or None;
         # while set, generate() refuses and update_weights() always verifies.
         self._unverified: str | None = None
-        self._requests_done = 0
-        self._tokens_generated = 0
-        self._aborted = 0
         self._busy_s = 0.0
         self._steps = 0
         # Seconds of the last `update_weights`, by part: validate, load, verify.
@@ -214,35 +202,31 @@ class VLLMEngine:
             self._loop()
         except BaseException as exc:  # never leave callers awaiting a dead thread
             self._dead = exc
-            self._fail_all(EngineError(f"the engine thread died: {exc!r}"))
+            self._requests.fail_all(EngineError(f"the engine thread died: {exc!r}"))
 
     def _loop(self) -> None:
         while True:
-            block = not self._pending or self._paused
+            block = not self._requests or self._paused
             try:
                 while True:
                     item = self._inbox.get(block=block)
                     block = False
                     if item is None:
                         self._dead = EngineError("the engine was shut down")
-                        self._fail_all(self._dead)
+                        self._requests.fail_all(self._dead)
                         return
                     self._dispatch(item)
             except queue.Empty:
                 pass
-            if self._pending and not self._paused:
+            if self._requests and not self._paused:
                 self._step()
 
     def _dispatch(self, item: tuple[str, Any, Any, Future[Any] | None]) -> None:
         assert self._engine is not None  # the step thread runs once the engine is built
         kind, payload, extra, future = item
         if kind == "abort":
-            request = self._pending.pop(payload, None)
-            if request is not None:
+            if self._requests.abort(payload):
                 self._engine.abort_request([payload])
-                self._aborted += 1
-                if not request.future.done():
-                    request.future.set_exception(EngineError(f"request {payload} was aborted"))
             return
         assert future is not None
         if not future.set_running_or_notify_cancel():
@@ -255,9 +239,7 @@ class VLLMEngine:
                     raise EngineError("the engine is asleep; call wake_up() before generate()")
                 request_id, ids, group = payload
                 self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), extra)
-                request = _Request(future, group)
-                self._pending[request_id] = request
-                self._unstepped.append(request)
+                self._requests.add(request_id, future, group=group)
             else:  # a call on the engine, run on this thread
                 future.set_result(payload(self._engine, *extra))
         except BaseException as exc:
@@ -265,59 +247,18 @@ class VLLMEngine:
 
     def _step(self) -> None:
         assert self._engine is not None  # the step thread runs once the engine is built
-        for request in self._unstepped:
-            request.weight_version = self.weight_version
-        self._unstepped.clear()
+        self._requests.stamp(self.weight_version)
         started = time.perf_counter()
         try:
             # Only generation requests are added: no pooling outputs.
             outputs = cast("list[RequestOutput]", self._engine.step())
         except BaseException as exc:
-            self._fail_all(EngineError(f"vLLM step failed: {exc!r}"))
+            self._requests.fail_all(EngineError(f"vLLM step failed: {exc!r}"))
             return
         finally:
             self._busy_s += time.perf_counter() - started
             self._steps += 1
-        for out in outputs:
-            if not out.finished:
-                continue
-            request = self._pending.pop(out.request_id, None)
-            if request is None or request.future.done():
-                continue
-            try:
-                generations = [self._to_generation(c, request.weight_version) for c in out.outputs]
-                if not request.group:
-                    request.future.set_result(generations[0])
-                elif len(generations) == 1:  # greedy: one sample stands for the group's n
-                    request.future.set_result(generations * request.group)
-                else:
-                    request.future.set_result(generations)
-            except Exception as exc:  # a malformed output fails its request, not the thread
-                request.future.set_exception(EngineError(f"request {out.request_id}: {exc!r}"))
-
-    def _to_generation(self, completion: CompletionOutput, weight_version: int) -> Generation:
-        ids = tuple(completion.token_ids)
-        # Requests ask for flat_logprobs (`vllm_sampling`): one FlatLogprobs, not a list.
-        flat = cast("FlatLogprobs | None", completion.logprobs)
-        # With logprobs=0 each position holds exactly the sampled token's entry.
-        lps = tuple(flat.logprobs) if flat is not None else ()
-        if len(lps) != len(ids) or (flat is not None and tuple(flat.token_ids) != ids):
-            raise EngineError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
-        self._tokens_generated += len(ids)
-        self._requests_done += 1
-        return Generation(
-            token_ids=ids,
-            logprobs=lps,
-            finish_reason=FINISH.get(str(completion.finish_reason), "stop"),  # type: ignore[arg-type]
-            weight_version=weight_version,
-        )
-
-    def _fail_all(self, error: BaseException) -> None:
-        for request in self._pending.values():
-            if not request.future.done():
-                request.future.set_exception(error)
-        self._pending.clear()
-        self._unstepped.clear()
+        self._requests.resolve(outputs)
 
     # -- generation ------------------------------------------------------------------------
     async def generate(
@@ -405,7 +346,7 @@ class VLLMEngine:
 
     def _set_paused(self, paused: bool) -> int:
         self._paused = paused
-        return len(self._pending)
+        return len(self._requests)
 
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory (level 1: offload weights to host and drop the KV cache; level 2:
@@ -421,9 +362,9 @@ class VLLMEngine:
         self.call(self._sleep, level)
 
     def _sleep(self, llm_engine: LLMEngine, level: int) -> None:
-        if self._pending:
+        if self._requests:
             raise EngineError(
-                f"sleep() with {len(self._pending)} requests in flight; let them finish or cancel"
+                f"sleep() with {len(self._requests)} requests in flight; let them finish or cancel"
                 " them first"
             )
         llm_engine.sleep(level)
@@ -454,14 +395,14 @@ class VLLMEngine:
         and shapes, vLLM's weight loaders, the read-back check)."""
         busy = self._busy_s
         return {
-            "engine/requests_done": float(self._requests_done),
-            "engine/requests_aborted": float(self._aborted),
-            "engine/tokens_generated": float(self._tokens_generated),
-            "engine/in_flight": float(len(self._pending)),
+            "engine/requests_done": float(self._requests.requests_done),
+            "engine/requests_aborted": float(self._requests.aborted),
+            "engine/tokens_generated": float(self._requests.tokens_generated),
+            "engine/in_flight": float(len(self._requests)),
             "engine/queued": float(self._inbox.qsize()),
             "engine/steps": float(self._steps),
             "engine/busy_s": busy,
-            "engine/tokens_per_s": self._tokens_generated / busy if busy > 0 else 0.0,
+            "engine/tokens_per_s": self._requests.tokens_generated / busy if busy > 0 else 0.0,
             "engine/paused": float(self._paused),
             "engine/weight_version": float(self.weight_version),
             **{f"engine/last_sync_{part}_s": s for part, s in self.last_sync_s.items()},
@@ -606,7 +547,7 @@ class VLLMEngine:
             raise EngineError("call start() before reset()")
         if self._dead is not None:
             raise EngineError(f"a dead engine cannot be reset: {self._dead!r}")
-        in_flight = self.call(lambda _: len(self._pending))  # read on the engine thread
+        in_flight = self.call(lambda _: len(self._requests))  # read on the engine thread
         if in_flight:
             raise EngineError(f"reset() with {in_flight} requests in flight")
         if self._sleeping:
@@ -614,6 +555,7 @@ class VLLMEngine:
         self.resume()
         self.update_weights(checkpoint_buckets(self.config.model, bucket_bytes), verify="full")
         self.call(lambda eng: eng.collective_rpc(reseed, args=(self.config.seed,)))  # pyright: ignore[reportArgumentType]
-        self._requests_done = self._tokens_generated = self._aborted = self._steps = 0
+        self._requests.reset_counts()
+        self._steps = 0
         self._busy_s = 0.0
         self.last_sync_s = {}

@@ -8,6 +8,7 @@ policies. It imports no other rlhf package.
 """
 
 from rlhf.agents.agent_executor import AgentError, OpenAIAgentExecutor
+from rlhf.agents.agent_files import AgentFile, AgentFileError, AgentShape, has_chat_template
 from rlhf.agents.environments import (
     Environment,
     EnvironmentFactory,
@@ -41,6 +42,9 @@ from rlhf.agents.types import (
 
 __all__ = [
     "AgentError",
+    "AgentFile",
+    "AgentFileError",
+    "AgentShape",
     "ChatTurns",
     "Environment",
     "EnvironmentFactory",
@@ -70,6 +74,7 @@ __all__ = [
     "Trajectory",
     "encode_prompt",
     "group_seed",
+    "has_chat_template",
     "load_module",
     "load_symbol",
     "nth_sample",

@@ -260,6 +260,29 @@ class FunctionReward:
         source = f"reward function {symbol} in {path}"
         return cls(func, source=source, policy=policy, batch_size=batch_size, timeout_s=timeout_s)
 
+    @classmethod
+    def from_spec(
+        cls, spec: str, *, policy: FailurePolicy | None = None, timeout_s: float | None = None
+    ) -> FunctionReward:
+        """``builtin:<name>`` (`rlhf.agents.builtin_rewards`) or the path of a Python file
+        defining ``reward_func`` (`from_file`).
+
+        Raises:
+            ValueError: an unknown builtin, naming the known ones.
+            OSError, ImportError, AttributeError: the file is missing, fails to import or
+                defines no ``reward_func`` (`rlhf.agents.load_symbol`).
+        """
+        from rlhf.agents import builtin_rewards
+
+        if not spec.startswith("builtin:"):
+            return cls.from_file(spec, policy=policy, timeout_s=timeout_s)
+        name = spec.removeprefix("builtin:")
+        if name not in builtin_rewards.NAMES:
+            known = ", ".join(f"builtin:{n}" for n in builtin_rewards.NAMES)
+            raise ValueError(f"{spec}: no such builtin; use {known}, or a Python file")
+        func = getattr(builtin_rewards, name)
+        return cls(func, source=spec, policy=policy, timeout_s=timeout_s)
+
     async def _call(
         self,
         queries: list[str],

@@ -1,5 +1,6 @@
-"""Prompt rows: text or chat messages become prompts; anything else is named with its row,
-source and flag instead of training on its ``repr``."""
+"""Prompt rows through ``rlhf train``: truncated and lossy prompts counted in the first step's
+metrics, and pass@k over graded scores. How rows become prompts, and the rows that are not
+prompts, are tested in the learner's ``tests/test_prompts.py``."""
 
 from __future__ import annotations
 
@@ -7,58 +8,7 @@ import json
 
 import pytest
 
-from rlhf.cli.data import DataSourceError, render
-from rlhf.cli.sections import DataConfig
-
 from .conftest import rlhf, small_run
-
-# The demo's character tokenizer with a template: user text as is, assistant text + <eos>.
-TEMPLATE = (
-    "{% for m in messages %}{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}<eos>{% endif %}{% endfor %}"
-)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(assets):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(assets["model"])
-    tok.chat_template = TEMPLATE
-    return tok
-
-
-def test_text_numbers_and_chat_messages_are_prompts(tokenizer) -> None:
-    plain = DataConfig()
-    assert render({"input": "31:", "label": "13"}, 0, "f", plain, tokenizer).text == "31:"
-    assert render({"input": 4213, "label": "1234"}, 0, "f", plain, tokenizer).text == "4213"
-    chat = DataConfig(apply_chat_template=True)
-    messages = [{"role": "user", "content": "31"}, {"role": "assistant", "content": "13"},
-                {"role": "user", "content": "42:"}]  # fmt: skip
-    rendered = render({"input": messages, "label": "24"}, 0, "f", chat, tokenizer)
-    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered.text == expected == "3113<eos>42:"
-    assert render({"input": "7:", "label": "7"}, 0, "f", chat, tokenizer).text == "7:"
-
-
-@pytest.mark.parametrize(
-    ("value", "config", "message"),
-    [
-        (None, DataConfig(), r"f row 2: 'input' \(--data\.input_key\) is NoneType None, not text"),
-        ({"q": "1"}, DataConfig(), r"is dict \{'q': '1'\}, not text"),
-        (True, DataConfig(), r"is bool True, not text"),
-        ([1, 2], DataConfig(apply_chat_template=True), r"is list \[1, 2\], not text"),
-        ("  ", DataConfig(), r"f row 2: 'input' \(--data\.input_key\) is empty"),
-        (
-            [{"role": "user", "content": "1"}],
-            DataConfig(),
-            r"is a list of chat messages: add --data\.apply_chat_template True",
-        ),
-    ],
-)
-def test_rows_that_are_not_prompts_are_named(tokenizer, value, config, message) -> None:
-    with pytest.raises(DataSourceError, match=message):
-        render({"input": value, "label": "1"}, 2, "f", config, tokenizer)
 
 
 def test_truncated_and_lossy_prompts_are_counted_in_the_metrics(assets, tmp_path) -> None:

@@ -1,7 +1,9 @@
-"""Prompt sources: the same rows read back from every format (.json, .jsonl, .parquet, a saved
-HF ``Dataset`` or ``DatasetDict``), blending by ``--data.prompt_data_probs``, chat templates of a
-locally built tokenizer, and malformed sources named in a `DataSourceError`. Unit level: no Ray,
-no engine, no subprocess."""
+"""Prompt and trainer sources through the formats that need the ``data`` extra: the same rows
+read back from every format (.json, .jsonl, .parquet, a saved HF ``Dataset`` or
+``DatasetDict``), blending by ``--data.prompt_data_probs`` across them, chat messages through
+each, and malformed sources named in a `DataSourceError`. Unit level: no Ray, no engine, no
+subprocess. What needs neither pyarrow nor datasets is tested in the learner's
+``tests/test_prompts.py`` and ``tests/test_datasets.py``."""
 
 from __future__ import annotations
 
@@ -14,9 +16,8 @@ from collections.abc import Callable
 
 import pytest
 
-from rlhf.cli.data import Prompt, PromptSampler, load_prompts, prompt_sources
-from rlhf.cli.sections import DataConfig
 from rlhf.learner.datasets import DataSourceError, dataset_rows, read_rows
+from rlhf.learner.prompts import DataConfig, Prompt, field_notes, load_prompts, prompt_sources
 
 # An extra column the prompt does not use, a non-ASCII prompt and an empty label survive every
 # format unchanged.
@@ -105,39 +106,8 @@ def test_max_samples_and_input_template_apply_to_every_source(tmp_path) -> None:
         assert [p.text for p in prompts] == ["Q: 12+30=\nA:", "Q: Wie viel ist 7·6?\nA:"]
 
 
-def _prompts(name: str, n: int) -> list[Prompt]:
-    return [Prompt(f"{name}{i}", i, name) for i in range(n)]
-
-
 def _binomial_bound(n: int, p: float, *, sigmas: float = 5.0) -> float:
     return sigmas * math.sqrt(n * p * (1 - p))
-
-
-@pytest.mark.parametrize(
-    ("probs", "p_first"), [((0.75, 0.25), 0.75), ((), 0.5), ((1.0, 3.0), 0.25)]
-)
-def test_blend_follows_the_weights(probs, p_first) -> None:
-    """Each draw picks a source with ``random.choices(weights=probs)`` from its own seeded
-    generator, so the first source's count is Binomial(n, p): within 5 sigma of n * p. Inside a
-    source the prompts come in shuffled epochs: after k draws every prompt came floor(k / size)
-    or ceil(k / size) times."""
-    n = 4000
-    sampler = PromptSampler({"a": _prompts("a", 7), "b": _prompts("b", 5)}, probs=probs, seed=3)
-    drawn = sampler.next(n)
-    count = collections.Counter(p.source for p in drawn)
-    assert count["a"] + count["b"] == n
-    assert abs(count["a"] - n * p_first) <= _binomial_bound(n, p_first), count
-    for name, size in (("a", 7), ("b", 5)):
-        per_prompt = collections.Counter(p.text for p in drawn if p.source == name)
-        assert len(per_prompt) == size
-        assert set(per_prompt.values()) <= {count[name] // size, -(-count[name] // size)}
-
-
-def test_a_zero_weight_source_is_never_drawn() -> None:
-    sampler = PromptSampler(
-        {"a": _prompts("a", 3), "b": _prompts("b", 3)}, probs=(0.0, 2.0), seed=0
-    )
-    assert {p.source for p in sampler.next(500)} == {"b"}
 
 
 def test_blend_through_prompt_sources(tmp_path) -> None:
@@ -155,29 +125,6 @@ def test_blend_through_prompt_sources(tmp_path) -> None:
     count = collections.Counter(p.source for p in sampler.next(n))
     assert abs(count[str(hard)] - n * 0.75) <= _binomial_bound(n, 0.75), count
     assert [p.text for p in evals["held"]] == [r["input"] for r in ROWS]
-
-
-def test_two_sources_of_one_name_are_refused(tmp_path) -> None:
-    """Both files are named by their stem ``rows``: the second would replace the first."""
-    (tmp_path / "a").mkdir()
-    first, second = _write_jsonl(tmp_path / "a", ROWS), _write_json(tmp_path, ROWS)
-    with pytest.raises(DataSourceError, match=r"are both named 'rows': .* name=path"):
-        load_prompts(f"{first},{second}", DataConfig(), None)
-
-
-@pytest.mark.parametrize(
-    ("probs", "message"),
-    [
-        ((1.0,), r"--data\.prompt_data_probs has 1 weights for 2 sources"),
-        ((1.0, 0.5, 0.5), r"--data\.prompt_data_probs has 3 weights for 2 sources"),
-        ((-0.25, 1.25), r"--data\.prompt_data_probs \[-0\.25, 1\.25\]: .* >= 0, not \[-0\.25\]"),
-        ((math.nan, 1.0), r"--data\.prompt_data_probs .*must be finite"),
-        ((0.0, 0.0), r"--data\.prompt_data_probs \[0\.0, 0\.0\]: at least one weight"),
-    ],
-)
-def test_bad_blend_weights_are_refused(probs, message) -> None:
-    with pytest.raises(DataSourceError, match=message):
-        PromptSampler({"a": _prompts("a", 2), "b": _prompts("b", 2)}, probs=probs, seed=0)
 
 
 def _two_sources(tmp_path: pathlib.Path) -> tuple[str, list[dict], list[dict]]:
@@ -246,17 +193,6 @@ def _tokenizer(chat_template: str | None):
     return tok
 
 
-def test_chat_template_renders_a_user_message_with_the_generation_prompt(tmp_path) -> None:
-    path = _write_jsonl(tmp_path, ROWS)
-    config = DataConfig(apply_chat_template=True, input_template="ignored {}")
-    (prompts,) = load_prompts(str(path), config, _tokenizer(TEMPLATE)).values()
-    assert [p.text for p in prompts] == [
-        "<|user|>12+30=\n<|assistant|>",
-        "<|user|>Wie viel ist 7·6?\n<|assistant|>",
-        "<|user|>say nothing\n<|assistant|>",
-    ]
-
-
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "dataset"])
 def test_a_messages_row_renders_every_turn(tmp_path, fmt) -> None:
     messages = [
@@ -273,14 +209,6 @@ def test_a_messages_row_renders_every_turn(tmp_path, fmt) -> None:
         "<|user|>and 6*8?\n<|assistant|>"
     )
     assert prompts == [Prompt(expected, "48", str(path))]
-
-
-def test_a_tokenizer_without_a_chat_template_is_named(tmp_path) -> None:
-    path = _write_jsonl(tmp_path, ROWS)
-    with pytest.raises(
-        DataSourceError, match=r"--data\.apply_chat_template needs a tokenizer with a chat template"
-    ):
-        load_prompts(str(path), DataConfig(apply_chat_template=True), _tokenizer(None))
 
 
 def _write(name: str, text: str) -> Callable[[pathlib.Path], pathlib.Path]:
@@ -400,33 +328,10 @@ def test_a_trainer_dataset_without_rows_is_named(tmp_path) -> None:
         training_rows(config)
 
 
-def test_numeric_prompts_and_null_or_numeric_labels_are_told_once_per_source() -> None:
-    from rlhf.cli.data import field_notes
-
-    train = [
-        Prompt("a", None, "t.jsonl"),
-        Prompt("b", "x", "t.jsonl"),
-        Prompt("c", None, "t.jsonl"),
-    ]
-    held = [Prompt("d", 42.0, "e.parquet"), Prompt("7", 7, "e.parquet", numeric_input=True)]
-    notes = field_notes([("t", train), ("held", held), ("ok", [Prompt("f", "1", "o")])],
-                        input_key="q", label_key="answer")  # fmt: skip
-    assert notes == [
-        "t.jsonl (t): 2 of 3 labels are null (--data.label_key 'answer'; row 0 first); the "
-        "reward function receives None for them",
-        "e.parquet (held): 1 of 2 prompts are numbers (--data.input_key 'q'; row 1: '7'); each "
-        "is used as its decimal text: check the column if the prompts should be text",
-        "e.parquet (held): 2 of 2 labels are numbers (row 0: 42.0); a reward that compares "
-        "text, such as builtin:exact_match, compares '42.0'",
-    ]
-
-
 def test_a_parquet_column_of_numbers_is_told_as_it_loads(tmp_path, assets) -> None:
     """Integers in the input column and floats in the label column: the prompts are their
     decimal text, and both columns are named in the notes."""
     from transformers import AutoTokenizer
-
-    from rlhf.cli.data import field_notes
 
     path = _write_parquet(tmp_path, [{"input": 1234, "label": 4321.0}] * 3)
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
@@ -435,45 +340,6 @@ def test_a_parquet_column_of_numbers_is_told_as_it_loads(tmp_path, assets) -> No
     prompts_note, labels_note = field_notes(loaded.items(), input_key="input", label_key="label")
     assert prompts_note.startswith(f"{path} (rows): 3 of 3 prompts are numbers")
     assert labels_note.startswith(f"{path} (rows): 3 of 3 labels are numbers (row 0: 4321.0)")
-
-
-def _lossy(assets) -> tuple[list[Prompt], object]:
-    # The demo's tokenizer knows digits and a few symbols, without byte fallback: "日本" is
-    # dropped on the way in.
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
-    prompts = [Prompt("12 34:", "1", "p.jsonl"), Prompt("5 日本 6:", "2", "p.jsonl"),
-               Prompt("日 7:", "3", "p.jsonl")]  # fmt: skip
-    return prompts, tokenizer
-
-
-def test_prompts_the_tokenizer_cannot_represent_are_told(assets) -> None:
-    from rlhf.cli.data import lossy_prompts
-
-    prompts, tokenizer = _lossy(assets)
-    (found,) = lossy_prompts([("p", prompts)], tokenizer)
-    # Two prompts lose characters: 日本 from one, 日 from the other.
-    assert (found.lossy, found.checked, found.unknown_chars) == (2, 3, 3)
-    assert found.note().startswith("p.jsonl (p): 2 of 3 prompts lose 3 characters in the "
-                                   "tokenizer (prompt 1: '5 日本 6:' reads back as")  # fmt: skip
-    assert lossy_prompts([("p", prompts[:1])], tokenizer) == []
-
-
-def test_lossy_prompts_are_counted_or_refused(assets) -> None:
-    from rlhf.cli.data import check_prompts
-
-    prompts, tokenizer = _lossy(assets)
-    lines: list[str] = []
-    metrics = check_prompts([("p", prompts)], DataConfig(), tokenizer, echo=lines.append)
-    assert metrics == {"data/lossy_prompts": 2.0, "data/unknown_chars": 3.0}
-    (line,) = lines
-    assert line.startswith("[data] p.jsonl (p): 2 of 3 prompts lose 3 characters")
-    with pytest.raises(DataSourceError, match=r"refused by --data\.lossy_prompts refuse"):
-        check_prompts([("p", prompts)], DataConfig(lossy_prompts="refuse"), tokenizer,
-                      echo=lines.append)  # fmt: skip
-    clean = check_prompts([("p", prompts[:1])], DataConfig(), tokenizer, echo=lines.append)
-    assert clean == {"data/lossy_prompts": 0.0, "data/unknown_chars": 0.0}
 
 
 def test_an_empty_step_says_which_cause_took_its_samples() -> None:

@@ -15,7 +15,6 @@ from rlhf.cli.nodes import NodeSpec, Processes
 from rlhf.cli.sections import (
     VERIFY_SYNC,
     CkptConfig,
-    DataConfig,
     EvalConfig,
     PlanConfig,
     RayConfig,
@@ -27,6 +26,7 @@ from rlhf.cli.sections import (
     is_reward_file,
 )
 from rlhf.cli.validation import problems
+from rlhf.learner import DataConfig
 
 
 class ConfigError(ValueError):

@@ -31,13 +31,13 @@ from rlhf.cli.backends import BACKENDS
 from rlhf.cli.config import ConfigError, RLConfig
 from rlhf.cli.presets import resolve
 from rlhf.cli.sections import (
-    DataConfig,
     EvalConfig,
     RoleConfig,
     RolloutConfig,
     TrainConfig,
     VllmConfig,
 )
+from rlhf.learner import DataConfig
 
 DIGITS = 4
 CHARS = list("0123456789:")

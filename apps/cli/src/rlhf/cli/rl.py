@@ -32,12 +32,6 @@ from rlhf.algos import make_kl_controller
 from rlhf.cli.best import BestModel, check_metric
 from rlhf.cli.cluster import start_ray, start_ray_early
 from rlhf.cli.config import RLConfig, RunError
-from rlhf.cli.data import (
-    Prompt,
-    PromptSampler,
-    check_prompts,
-    prompt_sources,
-)
 from rlhf.cli.dry_run import plan
 from rlhf.cli.faults import actor_died, resume_hint
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
@@ -58,6 +52,7 @@ from rlhf.cli.sync import (
 )
 from rlhf.cli.trainer_state import save_hf_at
 from rlhf.learner import MicroBatching, Samples, make_experience, ppo_update
+from rlhf.learner.prompts import Prompt, PromptSampler, check_prompts, prompt_sources
 from rlhf.rollout import EngineDiedError
 from rlhf.rollout.sampling import EmptyStepError, evaluate, sample_step, staleness
 from rlhf.rollout.schedule import Rollout, run_asynchronous, run_synchronous

@@ -1,7 +1,8 @@
 """The sections of ``rlhf train``'s run configuration, one frozen dataclass per flag prefix
-(``--data.*``, ``--rollout.*``, ``--vllm.*``, ``--actor.*``/``--critic.*``/…, ``--train.*``,
-``--reward.*``, ``--eval.*``, ``--ckpt.*``, ``--ray.*``, ``--plan.*``), composed by
-`rlhf.cli.config.RLConfig`."""
+(``--rollout.*``, ``--vllm.*``, ``--actor.*``/``--critic.*``/…, ``--train.*``, ``--reward.*``,
+``--eval.*``, ``--ckpt.*``, ``--ray.*``, ``--plan.*``), composed by `rlhf.cli.config.RLConfig`
+with the packages' own (``--data.*`` is `rlhf.learner.DataConfig`, ``--algo.*``
+`rlhf.algos.AlgoConfig`)."""
 
 from __future__ import annotations
 
@@ -23,39 +24,6 @@ TURN_CREDIT = ("episode", "per_turn")
 
 WEIGHT_TRANSPORTS = ("auto", *TRANSPORTS)
 """``--train.weight_transport`` values: ``auto`` and every transport `rlhf.weights` registers."""
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Prompt data (flags ``--data.*``).
-
-    Attributes:
-        prompt_data: A .json/.jsonl/.parquet file or a ``datasets.save_to_disk`` directory;
-            several comma-separated sources are blended by ``prompt_data_probs``.
-        prompt_data_probs: Blend weights, one per source (default equal).
-        input_key: Field holding the prompt text.
-        label_key: Field holding the label passed to the reward function.
-        input_template: Python format string wrapping the prompt, e.g. ``"Q: {}\\nA:"``.
-        apply_chat_template: Render the prompt as a user message with the tokenizer's chat
-            template (and the generation prompt).
-        max_samples: Use at most this many prompts per source.
-        eval_data: Evaluation prompts (same fields); ``name=path`` pairs, comma-separated,
-            are reported per data source.
-        lossy_prompts: Prompts whose characters the tokenizer cannot encode (they read back
-            without them): ``warn`` trains on them, says so once per source with an example
-            and counts them (``data/lossy_prompts``, ``data/unknown_chars`` in the first
-            step's metrics); ``refuse`` stops before start-up.
-    """
-
-    prompt_data: str = ""
-    prompt_data_probs: tuple[float, ...] = ()
-    input_key: str = "input"
-    label_key: str = "label"
-    input_template: str | None = None
-    apply_chat_template: bool = False
-    max_samples: int | None = None
-    eval_data: str = ""
-    lossy_prompts: Literal["warn", "refuse"] = "warn"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 The RL phases (`make_experience`, `ppo_update`) over a typed `Experience`, written against the
 `Role` protocol that `InProcessRole` (one rank here) and `LearnerGroup` (ranks as Ray actors)
 implement; the `Backend` protocol those run, given as a factory (`DeepSpeedBackend`; FSDP2 in
-``rlhf.molt``); objectives, configs, batches, checkpoints, data rows and weight streaming.
+``rlhf.molt``); objectives, configs, batches, checkpoints, data rows, prompt datasets
+(`prompt_sources`: a resumable `PromptSampler` over `DataConfig`'s sources) and weight streaming.
 Backend-neutral parts import with torch and transformers alone; `DeepSpeedBackend` needs
 ``rlhf-learner[deepspeed]`` and `LearnerGroup` ``rlhf-learner[ray]``, both imported lazily. It
 may import ``rlhf.algos`` and ``rlhf.weights`` only.
@@ -38,6 +39,7 @@ from rlhf.learner.config import (
     OptimizerConfig,
 )
 from rlhf.learner.data import DataError, TokenRow, preference_row, sft_row
+from rlhf.learner.datasets import DataSourceError
 from rlhf.learner.experience import Experience, Samples
 from rlhf.learner.export import write_hf_export
 from rlhf.learner.forward import (
@@ -77,6 +79,18 @@ from rlhf.learner.phases import (
     shape_rewards,
     token_values_of,
 )
+from rlhf.learner.prompts import (
+    DataConfig,
+    LossyPrompts,
+    Prompt,
+    PromptSampler,
+    PromptTokenizer,
+    check_prompts,
+    field_notes,
+    load_prompts,
+    lossy_prompts,
+    prompt_sources,
+)
 from rlhf.learner.role import InProcessRole, MicroBatching, Role
 from rlhf.learner.weights import RankSenders, SentWeights, send_weights, stream_weights
 
@@ -107,7 +121,9 @@ __all__ = [
     "CheckpointError",
     "CriticObjective",
     "DPOObjective",
+    "DataConfig",
     "DataError",
+    "DataSourceError",
     "DeepSpeedBackend",
     "DeepSpeedConfig",
     "Experience",
@@ -115,6 +131,7 @@ __all__ = [
     "InProcessRole",
     "LearnerConfig",
     "LearnerGroup",
+    "LossyPrompts",
     "MicroBatching",
     "MissingFieldsError",
     "ModelConfig",
@@ -123,6 +140,9 @@ __all__ = [
     "OptimizerConfig",
     "PPOActorObjective",
     "Packed",
+    "Prompt",
+    "PromptSampler",
+    "PromptTokenizer",
     "RankSenders",
     "RewardModelObjective",
     "Role",
@@ -136,15 +156,19 @@ __all__ = [
     "check_fields",
     "check_model_dir",
     "check_packing",
+    "check_prompts",
     "checkpoint_names",
     "collate",
     "complete_checkpoints",
+    "field_notes",
     "final_dir",
     "fingerprint",
     "latest_checkpoint",
     "latest_intact_checkpoint",
     "lm_head_parts",
     "load_model",
+    "load_prompts",
+    "lossy_prompts",
     "lr_lambda",
     "make_experience",
     "micro_batches",
@@ -154,6 +178,7 @@ __all__ = [
     "per_token",
     "ppo_update",
     "preference_row",
+    "prompt_sources",
     "send_weights",
     "sequence_logps",
     "sequence_scores",

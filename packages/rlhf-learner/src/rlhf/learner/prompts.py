@@ -1,5 +1,8 @@
-"""Prompt datasets: rows (read by `rlhf.learner.datasets`) templated into prompts, checked for
-what a person should know, and a resumable sampler blending the sources."""
+"""Prompt datasets for an RL loop: rows (read by `rlhf.learner.datasets`) templated into
+prompts (`render`, `load_prompts`), checked for what a person should know (`field_notes`,
+`lossy_prompts`, `check_prompts`), and a resumable sampler blending the sources
+(`PromptSampler`, `prompt_sources`), configured by a `DataConfig`. Every error is a
+`DataSourceError` naming the source, the row and the field's flag."""
 
 from __future__ import annotations
 
@@ -8,10 +11,68 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Protocol
 
-from rlhf.cli.sections import DataConfig
 from rlhf.learner.datasets import DataSourceError, blend_weights, read_rows
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompt data (flags ``--data.*``).
+
+    Attributes:
+        prompt_data: A .json/.jsonl/.parquet file or a ``datasets.save_to_disk`` directory;
+            several comma-separated sources are blended by ``prompt_data_probs``.
+        prompt_data_probs: Blend weights, one per source (default equal).
+        input_key: Field holding the prompt text.
+        label_key: Field holding the label passed to the reward function.
+        input_template: Python format string wrapping the prompt, e.g. ``"Q: {}\\nA:"``.
+        apply_chat_template: Render the prompt as a user message with the tokenizer's chat
+            template (and the generation prompt).
+        max_samples: Use at most this many prompts per source.
+        eval_data: Evaluation prompts (same fields); ``name=path`` pairs, comma-separated,
+            are reported per data source.
+        lossy_prompts: Prompts whose characters the tokenizer cannot encode (they read back
+            without them): ``warn`` trains on them, says so once per source with an example
+            and counts them (``data/lossy_prompts``, ``data/unknown_chars`` in the first
+            step's metrics); ``refuse`` stops before start-up.
+    """
+
+    prompt_data: str = ""
+    prompt_data_probs: tuple[float, ...] = ()
+    input_key: str = "input"
+    label_key: str = "label"
+    input_template: str | None = None
+    apply_chat_template: bool = False
+    max_samples: int | None = None
+    eval_data: str = ""
+    lossy_prompts: Literal["warn", "refuse"] = "warn"
+
+
+class PromptTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer prompts use: its chat template (`render`) and a
+    round trip of text through token ids (`lossy_prompts`)."""
+
+    @property
+    def chat_template(self) -> str | Mapping[str, str] | None:
+        """The chat template (or named templates); None or empty: the tokenizer has none."""
+        ...
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        *,
+        tokenize: bool = ...,
+        add_generation_prompt: bool = ...,
+    ) -> object:
+        """The conversation rendered (``tokenize=False``: as text; prompts take its ``str``)."""
+        ...
+
+    def __call__(
+        self, text: list[str], *, add_special_tokens: bool = ...
+    ) -> Mapping[str, list[list[int]]]: ...
+
+    def batch_decode(self, sequences: list[list[int]]) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +87,11 @@ class Prompt:
 
 
 def render(
-    row: Mapping[str, Any], index: int, source: str, config: DataConfig, tokenizer: Any
+    row: Mapping[str, Any],
+    index: int,
+    source: str,
+    config: DataConfig,
+    tokenizer: PromptTokenizer | None,
 ) -> Prompt:
     """Template one row into a `Prompt`; a missing field names the row, source and flag."""
     for key, flag in (
@@ -52,14 +117,16 @@ def render(
     if messages is None and not text.strip():
         raise DataSourceError(f"{where} is empty")
     if config.apply_chat_template:
-        if not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise DataSourceError(
                 "--data.apply_chat_template needs a tokenizer with a chat template"
             )
-        text = tokenizer.apply_chat_template(
-            messages or [{"role": "user", "content": text}],
-            tokenize=False,
-            add_generation_prompt=True,
+        text = str(
+            tokenizer.apply_chat_template(
+                messages or [{"role": "user", "content": text}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
         )
     elif config.input_template:
         try:
@@ -73,7 +140,7 @@ def render(
     return Prompt(text, row[config.label_key], source, numeric_input=numeric)
 
 
-def _chat_messages(value: Any) -> list[dict[str, str]] | None:
+def _chat_messages(value: object) -> list[dict[str, str]] | None:
     """``value`` as chat messages (a non-empty list of ``{"role", "content"}`` mappings with
     text content), or None when it is not one."""
     if not isinstance(value, list) or not value:
@@ -88,7 +155,9 @@ def _chat_messages(value: Any) -> list[dict[str, str]] | None:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def load_prompts(spec: str, config: DataConfig, tokenizer: Any) -> dict[str, list[Prompt]]:
+def load_prompts(
+    spec: str, config: DataConfig, tokenizer: PromptTokenizer | None
+) -> dict[str, list[Prompt]]:
     """``spec``: comma-separated sources, each ``path`` or ``name=path``; prompts per name."""
     out: dict[str, list[Prompt]] = {}
     for item in [s for s in spec.split(",") if s.strip()]:
@@ -165,7 +234,7 @@ class PromptSampler:
         self.positions = [int(p) for p in state["positions"]]
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -241,7 +310,7 @@ class LossyPrompts:
 
 
 def lossy_prompts(
-    sources: Iterable[tuple[str, Sequence[Prompt]]], tokenizer: Any
+    sources: Iterable[tuple[str, Sequence[Prompt]]], tokenizer: PromptTokenizer
 ) -> list[LossyPrompts]:
     """Prompt sources whose text the tokenizer cannot represent: a prompt whose non-space
     characters do not read back from its tokens has lost some (a tokenizer without those
@@ -280,7 +349,7 @@ def lossy_prompts(
 def check_prompts(
     sources: Sequence[tuple[str, Sequence[Prompt]]],
     data: DataConfig,
-    tokenizer: Any,
+    tokenizer: PromptTokenizer,
     *,
     echo: Callable[[str], None],
 ) -> dict[str, float]:
@@ -303,7 +372,7 @@ def check_prompts(
 
 
 def prompt_sources(
-    data: DataConfig, tokenizer: Any, *, seed: int
+    data: DataConfig, tokenizer: PromptTokenizer | None, *, seed: int
 ) -> tuple[PromptSampler, dict[str, list[Prompt]]]:
     """The training prompts' sampler (``--data.prompt_data``, blended by
     ``--data.prompt_data_probs``) and the evaluation prompts per source (``--data.eval_data``)."""

@@ -1,7 +1,8 @@
 """GPU, with ``-m gpu``: a hybrid PPO run (actor, critic, reference and one vLLM engine on one
 GPU) takes turns: the engine sleeps while the learners train, the learners' DeepSpeed states
 leave the GPU while the engine generates, and every sync after a wake travels by CUDA IPC and
-is checked (``--vllm.verify_sync``), a checkpoint and the export in between."""
+is checked (``--vllm.verify_sync``), a checkpoint and the export in between; the actor at
+ZeRO-2 and at ZeRO-3 (whose master weights and moments `rlhf.learner.zero3_offload` moves)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from .conftest import rlhf, small_run
 pytestmark = pytest.mark.gpu
 
 
-def test_a_hybrid_ppo_run_takes_turns_on_one_gpu(assets, tmp_path) -> None:
+@pytest.mark.parametrize("actor_stage", [2, 3])
+def test_a_hybrid_ppo_run_takes_turns_on_one_gpu(assets, tmp_path, actor_stage) -> None:
     if not torch.cuda.is_available():
         pytest.fail("the gpu tests need a CUDA GPU; run them on the device machine")
     total_gib = torch.cuda.mem_get_info()[1] / 2**30
@@ -26,6 +28,7 @@ def test_a_hybrid_ppo_run_takes_turns_on_one_gpu(assets, tmp_path) -> None:
         *small_run(assets, steps=3, prompts=4, samples=4),
         "--train.colocate_all", "True",
         "--train.deepspeed_enable_sleep", "True",  # the moves, though this tiny run fits
+        "--actor.deepspeed.zero_stage", str(actor_stage),  # ZeRO-3: rlhf.learner.zero3_offload
         "--vllm.gpu_memory_utilization", "0.3",
         "--ckpt.save_steps", "2",
     )  # fmt: skip

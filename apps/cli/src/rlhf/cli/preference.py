@@ -17,24 +17,24 @@ resume exactly (`rlhf.cli.trainer_state`); metrics also go to TensorBoard and W&
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlhf.cli.backends import backend_factory, compute_threads, rank_env, role_problems
+from rlhf.cli.backends import role_problems
 from rlhf.cli.config import ConfigError, absolute_path
 from rlhf.cli.metrics import Progress
 from rlhf.cli.sections import CkptConfig, LoggingConfig, PlanConfig, RayConfig, RoleConfig
 from rlhf.cli.trainer_state import (
     SHAPE,
-    check_resume,
+    open_trainer_run,
     open_trainer_sinks,
+    resume_learner,
     save_step,
     saves_at,
+    start_trainer_learner,
     steps_of_epochs,
     training_rows,
 )
@@ -253,12 +253,7 @@ def run_preference(
     given (RM: chosen scored higher; DPO: chosen's implicit reward higher). With
     ``--ckpt.load_enable`` the newest checkpoint is checked before anything starts and the
     run continues from it."""
-    from transformers import AutoTokenizer
-
-    from rlhf.cli.cluster import start_ray
-    from rlhf.cli.placement import record_placement, role_strategies
-    from rlhf.cli.roles import rank_group
-    from rlhf.cli.warm import release_group, warm_roles
+    from rlhf.cli.warm import release_group
     from rlhf.learner import MicroBatching, per_sequence, sequence_logps
 
     if kind not in ("rm", "dpo"):
@@ -268,24 +263,9 @@ def run_preference(
     problems = config.loss_problems(kind)
     if problems:
         raise ConfigError("; ".join(problems))
-    run_dir = pathlib.Path(config.run_dir)
-    ckpt_root = run_dir / "checkpoints"
-    resume = None
-    if config.ckpt.load_enable:
-        resume, line = check_resume(
-            ckpt_root,
-            command=kind,
-            num_steps=config.num_steps,
-            shape=config.shape,
-            ckpt=config.ckpt,
-        )
-        echo(f"[plan] resume: {line}")
-    run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {"kind": kind, **dataclasses.asdict(config)}
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
-    tokenizer = AutoTokenizer.from_pretrained(config.model.model.path)
-    if config.chat_template is not None:
-        tokenizer.chat_template = config.chat_template
+    run = open_trainer_run(config, command=kind, resolved=resolved, echo=echo)
+    run_dir, resume, tokenizer = run.run_dir, run.resume, run.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train = load_pairs(
         training_rows(config),
@@ -318,41 +298,24 @@ def run_preference(
     group, key, finished = None, None, False
     result: dict[str, Any] = {}
     try:
-        gpu = start_ray(address=config.ray.address).gpu
-        warm = warm_roles()
-        plural = "s" * (role.num_ranks > 1)
-        label = "reward-model" if kind == "rm" else "DPO"
-        echo(f"[startup] starting the {label} learner ({role.num_ranks} rank{plural})…")
-        began = time.perf_counter()
-        group, key = rank_group(
-            role,
-            gpus=role.num_gpus_per_rank if gpu else 0.0,
-            env=rank_env(role, gpu=gpu),
-            scheduling=role_strategies(role, flag="--model.node"),
-            warm=warm,
-        )
-        if warm is not None:
-            warm.stop_unclaimed()
-        group.compute_threads = compute_threads(
-            num_ranks=role.num_ranks, gpu=gpu, beside_engines=False
-        )
         learner = role.with_model(kind="scalar" if kind == "rm" else "causal_lm").learner(
             seed=config.seed, total_steps=config.num_steps
         )
-        group.build(learner, backend=backend_factory(role))
-        record_placement(group, role, run_dir / "placement.json")
-        echo(f"[startup] learner ready after {time.perf_counter() - began:.1f} s")
+        group, key = start_trainer_learner(
+            role,
+            learner,
+            ray=config.ray,
+            run_dir=run_dir,
+            label="reward-model" if kind == "rm" else "DPO",
+            echo=echo,
+        )
         if kind == "dpo":  # the reference is the initial policy: its log-probs, once
             train.fields["ref_logps"] = per_sequence(group, train, sequence_logps, micro)
             if held is not None:
                 held.fields["ref_logps"] = per_sequence(group, held, sequence_logps, micro)
         if held is not None:  # of the initial model, also when resuming
             result["eval_accuracy_start"] = pair_accuracy(group, held, kind=kind, micro=micro)
-        start = 0
-        if resume is not None:
-            group.load(str(resume.path))
-            start = resume.step
-            echo(f"[resume] from {resume.path} at step {start}")
+        start = resume_learner(group, resume, echo=echo)
         progress = Progress(total=config.num_steps, start=start, echo=echo)
         for step in range(start + 1, config.num_steps + 1):
             picked = order.take(config.batch_size)

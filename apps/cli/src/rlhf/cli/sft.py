@@ -8,23 +8,23 @@ and W&B.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.cli.backends import backend_factory, compute_threads, rank_env, role_problems
+from rlhf.cli.backends import role_problems
 from rlhf.cli.config import ConfigError, absolute_path
 from rlhf.cli.metrics import Progress
 from rlhf.cli.sections import CkptConfig, LoggingConfig, PlanConfig, RayConfig, RoleConfig
 from rlhf.cli.trainer_state import (
     SHAPE,
-    check_resume,
+    open_trainer_run,
     open_trainer_sinks,
+    resume_learner,
     save_step,
     saves_at,
+    start_trainer_learner,
     steps_of_epochs,
     training_rows,
 )
@@ -134,12 +134,7 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     """Train, export ``run_dir/final``; returns the first and last losses of this process's
     steps. With ``--ckpt.load_enable`` the newest checkpoint is checked before anything
     starts and the run continues from it."""
-    from transformers import AutoTokenizer
-
-    from rlhf.cli.cluster import start_ray
-    from rlhf.cli.placement import record_placement, role_strategies
-    from rlhf.cli.roles import rank_group
-    from rlhf.cli.warm import release_group, warm_roles
+    from rlhf.cli.warm import release_group
     from rlhf.learner import (
         MicroBatching,
         SFTObjective,
@@ -151,24 +146,8 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
 
     config = config.validate()
     config = dataclasses.replace(config, num_steps=steps_of_epochs(config, echo=echo), num_epochs=0)
-    run_dir = pathlib.Path(config.run_dir)
-    ckpt_root = run_dir / "checkpoints"
-    resume = None
-    if config.ckpt.load_enable:
-        resume, line = check_resume(
-            ckpt_root,
-            command="sft",
-            num_steps=config.num_steps,
-            shape=config.shape,
-            ckpt=config.ckpt,
-        )
-        echo(f"[plan] resume: {line}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = dataclasses.asdict(config)
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
-    tokenizer = AutoTokenizer.from_pretrained(config.model.model.path)
-    if config.chat_template is not None:
-        tokenizer.chat_template = config.chat_template
+    run = open_trainer_run(config, command="sft", resolved=dataclasses.asdict(config), echo=echo)
+    run_dir, resume, tokenizer = run.run_dir, run.resume, run.tokenizer
 
     def tokenized(source: list[dict[str, Any]]) -> list[Any]:
         return [
@@ -211,40 +190,21 @@ def run_sft(config: SFTConfig, *, echo: Callable[[str], None] = print) -> dict[s
     if resume is not None:
         order.load_state_dict(resume.state["data"], checkpoint=resume.path.name)
     log = open_trainer_sinks(
-        config, run_dir=run_dir, run_config=resolved, resume=resume is not None
+        config, run_dir=run_dir, run_config=run.resolved, resume=resume is not None
     )
     role = config.model
     group, key, finished = None, None, False
     losses, evals = [], []
     try:
-        gpu = start_ray(address=config.ray.address).gpu
-        warm = warm_roles()
-        plural = "s" * (role.num_ranks > 1)
-        echo(f"[startup] starting the SFT learner ({role.num_ranks} rank{plural})…")
-        began = time.perf_counter()
-        group, key = rank_group(
+        group, key = start_trainer_learner(
             role,
-            gpus=role.num_gpus_per_rank if gpu else 0.0,
-            env=rank_env(role, gpu=gpu),
-            scheduling=role_strategies(role, flag="--model.node"),
-            warm=warm,
-        )
-        if warm is not None:
-            warm.stop_unclaimed()
-        group.compute_threads = compute_threads(
-            num_ranks=role.num_ranks, gpu=gpu, beside_engines=False
-        )
-        group.build(
             role.learner(seed=config.seed, total_steps=config.num_steps),
-            backend=backend_factory(role),
+            ray=config.ray,
+            run_dir=run_dir,
+            label="SFT",
+            echo=echo,
         )
-        record_placement(group, role, run_dir / "placement.json")
-        echo(f"[startup] learner ready after {time.perf_counter() - began:.1f} s")
-        start = 0
-        if resume is not None:
-            group.load(str(resume.path))
-            start = resume.step
-            echo(f"[resume] from {resume.path} at step {start}")
+        start = resume_learner(group, resume, echo=echo)
         if held is not None:  # before this process's first step
             evals.append(eval_loss())
             log.write({"step": start, "sft/eval_loss": evals[-1]})

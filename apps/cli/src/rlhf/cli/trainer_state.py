@@ -15,16 +15,22 @@ a run that is done already or whose batch shape differs.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
+import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlhf.cli.config import ConfigError
 from rlhf.cli.metrics import Sinks, open_sinks
 from rlhf.cli.resume import ResumePoint, resume_point
-from rlhf.cli.sections import CkptConfig, LoggingConfig
+from rlhf.cli.sections import CkptConfig, LoggingConfig, RayConfig, RoleConfig
 from rlhf.learner.datasets import RowOrder
+
+if TYPE_CHECKING:
+    from rlhf.learner import LearnerConfig, LearnerGroup
 
 SHAPE = ("batch_size",)
 """The flags a checkpoint records (``trainer_state.json``'s ``shape``) and a resume must keep:
@@ -167,3 +173,118 @@ def open_trainer_sinks(
         return open_sinks(flags, run_dir=run_dir, run_config=run_config, resume=resume)
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("--train.use_", "--use_")) from None
+
+
+class _Trainer(Protocol):
+    """What `open_trainer_run` reads of an SFT or preference config."""
+
+    @property
+    def run_dir(self) -> str: ...
+    @property
+    def num_steps(self) -> int: ...
+    @property
+    def shape(self) -> dict[str, int]: ...
+    @property
+    def ckpt(self) -> CkptConfig: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def model(self) -> RoleConfig: ...
+
+
+@dataclass(frozen=True)
+class TrainerRun:
+    """A trainer command's run before its learner starts.
+
+    Attributes:
+        run_dir: ``--run_dir``, created.
+        resume: The checkpoint it continues from (``--ckpt.load_enable``), or None.
+        resolved: The config written to ``run_dir/config.json``.
+        tokenizer: The model's tokenizer (``--chat_template`` applied).
+    """
+
+    run_dir: pathlib.Path
+    resume: ResumePoint | None
+    resolved: dict[str, Any]
+    tokenizer: Any
+
+
+def open_trainer_run(
+    config: _Trainer,
+    *,
+    command: str,
+    resolved: Mapping[str, Any],
+    echo: Callable[[str], None],
+) -> TrainerRun:
+    """Before anything starts: the checkpoint to resume from checked (`check_resume`, the
+    plan line echoed), the run directory made with ``resolved`` in its ``config.json``, and
+    the tokenizer loaded."""
+    from transformers import AutoTokenizer
+
+    run_dir = pathlib.Path(config.run_dir)
+    resume = None
+    if config.ckpt.load_enable:
+        resume, line = check_resume(
+            run_dir / "checkpoints",
+            command=command,
+            num_steps=config.num_steps,
+            shape=config.shape,
+            ckpt=config.ckpt,
+        )
+        echo(f"[plan] resume: {line}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dict(resolved), indent=1))
+    tokenizer = AutoTokenizer.from_pretrained(config.model.model.path)
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    return TrainerRun(run_dir, resume, dict(resolved), tokenizer)
+
+
+def start_trainer_learner(
+    role: RoleConfig,
+    learner: LearnerConfig,
+    *,
+    ray: RayConfig,
+    run_dir: pathlib.Path,
+    label: str,
+    echo: Callable[[str], None],
+) -> tuple[LearnerGroup, str | None]:
+    """Ray started (or joined), and the trainer's one learner group (``--model.*``) built
+    from ``learner`` on its ranks, or taken over from an earlier run of this process
+    (`rlhf.cli.warm`); returns the group and its key for `rlhf.cli.warm.release_group`."""
+    from rlhf.cli.backends import backend_factory, compute_threads, rank_env
+    from rlhf.cli.cluster import start_ray
+    from rlhf.cli.placement import record_placement, role_strategies
+    from rlhf.cli.roles import rank_group
+    from rlhf.cli.warm import warm_roles
+
+    gpu = start_ray(address=ray.address).gpu
+    warm = warm_roles()
+    plural = "s" * (role.num_ranks > 1)
+    echo(f"[startup] starting the {label} learner ({role.num_ranks} rank{plural})…")
+    began = time.perf_counter()
+    group, key = rank_group(
+        role,
+        gpus=role.num_gpus_per_rank if gpu else 0.0,
+        env=rank_env(role, gpu=gpu),
+        scheduling=role_strategies(role, flag="--model.node"),
+        warm=warm,
+    )
+    if warm is not None:
+        warm.stop_unclaimed()
+    group.compute_threads = compute_threads(num_ranks=role.num_ranks, gpu=gpu, beside_engines=False)
+    group.build(learner, backend=backend_factory(role))
+    record_placement(group, role, run_dir / "placement.json")
+    echo(f"[startup] learner ready after {time.perf_counter() - began:.1f} s")
+    return group, key
+
+
+def resume_learner(
+    group: LearnerGroup, resume: ResumePoint | None, *, echo: Callable[[str], None]
+) -> int:
+    """The checkpoint ``resume`` loaded into ``group``; the step it reached (0: none)."""
+    if resume is None:
+        return 0
+    group.load(str(resume.path))
+    echo(f"[resume] from {resume.path} at step {resume.step}")
+    return resume.step

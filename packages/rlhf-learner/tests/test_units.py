@@ -105,6 +105,73 @@ def test_collate_micro_batches_and_shard() -> None:
         collate([[1, 2, 3]], pad_token_id=0, per_token={"m": [[1, 1]]})
 
 
+def test_objectives_read_typed_views_whose_names_are_field_names() -> None:
+    """Every objective reads its batch through a fields dataclass: each attribute is a
+    `FieldName`, the required ones are exactly what its ``fields()`` declares (they cannot
+    drift apart), and a view gives the batch's tensors themselves, None for absent optional
+    ones."""
+    import dataclasses
+    import typing
+
+    from rlhf.learner import (
+        ActorFields,
+        CriticFields,
+        CriticObjective,
+        DPOFields,
+        DPOObjective,
+        FieldName,
+        LossMaskFields,
+        MissingFieldsError,
+        RewardModelFields,
+        RewardModelObjective,
+        required_fields,
+        view,
+    )
+    from rlhf.learner.batch import field_names
+
+    known = set(typing.get_args(FieldName))
+    algo = AlgoConfig()
+    pairs = [
+        (ActorFields, PPOActorObjective(algo=algo, normalizer=1.0)),
+        (CriticFields, CriticObjective(algo=algo, normalizer=1.0)),
+        (LossMaskFields, SFTObjective(normalizer=1.0)),
+        (RewardModelFields, RewardModelObjective(normalizer=1.0)),
+        (DPOFields, DPOObjective(normalizer=1.0)),
+    ]
+    for fields, objective in pairs:
+        assert field_names(fields) <= known
+        assert objective.fields() == required_fields(fields), fields
+    assert required_fields(ActorFields) == {"action_mask", "advantages"}
+    assert required_fields(RewardModelFields) == frozenset()
+
+    batch = collate(
+        [[1, 2, 3], [4, 5]],
+        pad_token_id=0,
+        per_token={"action_mask": [[0, 1, 1], [0, 1]], "advantages": [[0, 1, 1], [0, 2]]},
+    )
+    actor = view(batch, ActorFields)
+    assert actor.action_mask is batch.fields["action_mask"]
+    assert actor.advantages is batch.fields["advantages"]
+    assert actor.old_logprobs is None and actor.ref_logprobs is None
+    with pytest.raises(
+        MissingFieldsError, match=r"ActorFields needs batch fields \['ref_logprobs'\]"
+    ):
+        view(batch, ActorFields, need=frozenset({"ref_logprobs"}))
+    with pytest.raises(
+        MissingFieldsError, match=r"CriticFields needs batch fields \['old_values', 'returns'\]"
+    ):
+        view(batch, CriticFields)
+
+    @dataclasses.dataclass(frozen=True)
+    class Misspelt:
+        advantage: torch.Tensor
+
+    with pytest.raises(
+        TypeError, match=r"Misspelt: attributes that are no FieldName: \['advantage'\]"
+    ):
+        field_names(Misspelt)
+
+
 def test_a_missing_field_stops_the_step_in_the_calling_process() -> None:
     """An objective's declared fields are checked before anything reaches a rank: the role
     here is not even built, so only the check can answer."""

@@ -14,13 +14,20 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf.learner.backend import Backend, BackendFactory, Objective
 from rlhf.learner.batch import (
+    ActorFields,
     Batch,
+    CriticFields,
+    DPOFields,
     FieldName,
+    LossMaskFields,
     MissingFieldsError,
+    RewardModelFields,
     check_fields,
     collate,
     micro_batches,
+    required_fields,
     shard,
+    view,
 )
 from rlhf.learner.checkpoint import (
     CheckpointError,
@@ -115,11 +122,14 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ROLE_KINDS",
     "ActionLogprobs",
+    "ActorFields",
     "Backend",
     "BackendFactory",
     "Batch",
     "CheckpointError",
+    "CriticFields",
     "CriticObjective",
+    "DPOFields",
     "DPOObjective",
     "DataConfig",
     "DataError",
@@ -131,6 +141,7 @@ __all__ = [
     "InProcessRole",
     "LearnerConfig",
     "LearnerGroup",
+    "LossMaskFields",
     "LossyPrompts",
     "MicroBatching",
     "MissingFieldsError",
@@ -144,6 +155,7 @@ __all__ = [
     "PromptSampler",
     "PromptTokenizer",
     "RankSenders",
+    "RewardModelFields",
     "RewardModelObjective",
     "Role",
     "SFTObjective",
@@ -179,6 +191,7 @@ __all__ = [
     "ppo_update",
     "preference_row",
     "prompt_sources",
+    "required_fields",
     "send_weights",
     "sequence_logps",
     "sequence_scores",
@@ -192,5 +205,6 @@ __all__ = [
     "token_values",
     "token_values_of",
     "verify_checkpoint",
+    "view",
     "write_hf_export",
 ]

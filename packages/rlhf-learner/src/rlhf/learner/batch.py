@@ -8,12 +8,16 @@ given tokens ``< t``; position 0, the first prompt token, is never an action). T
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypeVar, cast, get_args
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 FieldName = Literal[
     "action_mask",
@@ -56,7 +60,7 @@ class Batch:
 
     input_ids: Tensor
     attention_mask: Tensor
-    fields: dict[str, Tensor] = field(default_factory=dict)
+    fields: dict[FieldName, Tensor] = field(default_factory=dict)
     packing_samples: bool = False
     chunked_lm_head: bool = False
 
@@ -93,7 +97,7 @@ class Batch:
         mask = self.attention_mask[index]
         length = max(int(mask.sum(dim=1).max()), 1) if len(index) else 1
         per_token = self.input_ids.shape[1]
-        fields = {
+        fields: dict[FieldName, Tensor] = {
             k: (v[index][:, :length] if v.dim() >= 2 and v.shape[1] == per_token else v[index])
             for k, v in self.fields.items()
         }
@@ -110,8 +114,8 @@ def collate(
     rows: Sequence[Sequence[int]],
     *,
     pad_token_id: int,
-    per_token: Mapping[str, Sequence[Sequence[float]]] | None = None,
-    per_sequence: Mapping[str, Sequence[float]] | None = None,
+    per_token: Mapping[FieldName, Sequence[Sequence[float]]] | None = None,
+    per_sequence: Mapping[FieldName, Sequence[float]] | None = None,
 ) -> Batch:
     """Right-pad token rows (and aligned per-token values) into a `Batch`.
 
@@ -128,7 +132,7 @@ def collate(
     # took 4 ms of the driver's step for 128 demo rows.
     ids = _padded(rows, length, pad_token_id, torch.long)
     mask = _padded([[1] * len(r) for r in rows], length, 0, torch.long)
-    fields: dict[str, Tensor] = {}
+    fields: dict[FieldName, Tensor] = {}
     for name, values in (per_token or {}).items():
         if len(values) != len(rows):
             raise ValueError(f"per_token[{name!r}] has {len(values)} rows, expected {len(rows)}")
@@ -214,6 +218,102 @@ def check_fields(batch: Batch, objective: object) -> None:
             f"{sorted(batch.fields)}: the phase that makes them did not run (a reference for "
             "ref_logprobs, a critic for old_values/returns, the advantages step)"
         )
+
+
+F = TypeVar("F", bound="DataclassInstance")
+
+
+def field_names(fields: type[DataclassInstance]) -> frozenset[FieldName]:
+    """The batch fields a fields dataclass (`ActorFields`, …) reads: its attributes'
+    names, each a `FieldName`."""
+    names = frozenset(f.name for f in dataclasses.fields(fields))
+    unknown = names - set(get_args(FieldName))
+    if unknown:
+        raise TypeError(f"{fields.__name__}: attributes that are no FieldName: {sorted(unknown)}")
+    return cast("frozenset[FieldName]", names)
+
+
+def required_fields(fields: type[DataclassInstance]) -> frozenset[FieldName]:
+    """The attributes of a fields dataclass without a default: the fields a batch must have."""
+    return frozenset(
+        cast("FieldName", f.name)
+        for f in dataclasses.fields(fields)
+        if f.default is dataclasses.MISSING
+    )
+
+
+def view(batch: Batch, fields: type[F], *, need: frozenset[FieldName] = frozenset()) -> F:
+    """``batch``'s fields as the dataclass ``fields`` (an objective's typed view: attributes
+    instead of names), the optional ones None where absent.
+
+    Args:
+        batch: The micro-batch.
+        fields: A fields dataclass (`ActorFields`, …).
+        need: Optional attributes this step needs all the same (an objective's ``fields()``).
+
+    Raises:
+        MissingFieldsError: a required or needed one is absent, naming it and what the batch
+            has.
+    """
+    missing = sorted((required_fields(fields) | need) - set(batch.fields))
+    if missing:
+        raise MissingFieldsError(
+            f"{fields.__name__} needs batch fields {missing}; the batch has {sorted(batch.fields)}"
+        )
+    present = {name: batch.fields[name] for name in field_names(fields) if name in batch.fields}
+    return fields(**present)
+
+
+@dataclass(frozen=True)
+class ActorFields:
+    """What the actor's policy loss reads (`rlhf.learner.PPOActorObjective`), each (B, L).
+
+    Attributes:
+        action_mask: 1 on tokens the policy produced.
+        advantages: Per-token advantages.
+        old_logprobs: π_old's log-probs; None: the current policy, detached.
+        ref_logprobs: The reference's log-probs (the KL loss).
+        rollout_logprobs: The sampler's log-probs (train/rollout correction, the gap metric).
+    """
+
+    action_mask: Tensor
+    advantages: Tensor
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    rollout_logprobs: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class CriticFields:
+    """What the clipped value loss reads (`rlhf.learner.CriticObjective`), each (B, L)."""
+
+    action_mask: Tensor
+    old_values: Tensor
+    returns: Tensor
+
+
+@dataclass(frozen=True)
+class LossMaskFields:
+    """What token-NLL losses read (SFT, `rlhf.learner.sequence_logps`): ``loss_mask`` (B, L),
+    1 on tokens to learn."""
+
+    loss_mask: Tensor
+
+
+@dataclass(frozen=True)
+class RewardModelFields:
+    """What the pairwise reward-model loss reads: an optional per-pair ``margin`` (B,)."""
+
+    margin: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DPOFields:
+    """What the DPO-family losses read: ``loss_mask`` (B, L) on response tokens and the
+    reference's sequence log-probs ``ref_logps`` (B,)."""
+
+    loss_mask: Tensor
+    ref_logps: Tensor
 
 
 class MissingFieldsError(KeyError):

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from rlhf.learner.batch import Batch, collate
+from rlhf.learner.batch import Batch, FieldName, collate
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> float:
@@ -90,7 +90,10 @@ class Samples:
         pad_token_id: int = 0,
     ) -> Samples:
         """Right-pad per-sample lists (as ``rlhf.agents.Trajectory`` holds them)."""
-        per_token = {"action_mask": action_mask, "rollout_logprobs": rollout_logprobs}
+        per_token: dict[FieldName, Sequence[Sequence[float]]] = {
+            "action_mask": action_mask,
+            "rollout_logprobs": rollout_logprobs,
+        }
         if token_rewards is not None:
             per_token["token_rewards"] = token_rewards
         batch = collate(token_ids, pad_token_id=pad_token_id, per_token=per_token)
@@ -206,13 +209,13 @@ class Experience:
         """The fields the objectives read, as a learner `Batch`: ``action_mask``,
         ``rollout_logprobs``, ``advantages``, ``returns`` and, when present, ``old_logprobs``,
         ``ref_logprobs``, ``old_values``."""
-        fields = {
+        fields: dict[FieldName, Tensor] = {
             "action_mask": self.action_mask,
             "rollout_logprobs": self.rollout_logprobs,
             "advantages": self.advantages,
             "returns": self.returns,
         }
-        optional = {
+        optional: dict[FieldName, Tensor | None] = {
             "old_logprobs": self.old_logprobs,
             "ref_logprobs": self.ref_logprobs,
             "old_values": self.values,

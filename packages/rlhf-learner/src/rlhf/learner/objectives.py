@@ -32,7 +32,17 @@ from rlhf.algos import (
     reward_model_loss,
     sft_loss,
 )
-from rlhf.learner.batch import Batch, FieldName
+from rlhf.learner.batch import (
+    ActorFields,
+    Batch,
+    CriticFields,
+    DPOFields,
+    FieldName,
+    LossMaskFields,
+    RewardModelFields,
+    required_fields,
+    view,
+)
 from rlhf.learner.forward import batch_logprobs, sequence_scores, token_values
 
 Metrics = dict[str, Tensor]
@@ -42,7 +52,7 @@ Metrics = dict[str, Tensor]
 class PPOActorObjective:
     """Actor loss of one PPO/GRPO/REINFORCE++ step.
 
-    Batch fields: ``action_mask``, ``advantages`` (B, L); ``old_logprobs`` (absent: the
+    Reads `ActorFields`: ``action_mask``, ``advantages``; ``old_logprobs`` (absent: the
     current policy, detached — exact for one optimizer step per rollout); ``ref_logprobs``
     when ``algo.kl.use_loss`` and ``kl_coef`` is not 0 (β = 0 disables the KL term, and a run
     without it builds no reference); ``rollout_logprobs`` with ``algo.rollout_correction`` (when
@@ -65,7 +75,7 @@ class PPOActorObjective:
 
     def fields(self) -> frozenset[FieldName]:
         """The batch fields this step reads (`rlhf.learner.batch.check_fields`)."""
-        needed: set[FieldName] = {"action_mask", "advantages"}
+        needed = set(required_fields(ActorFields))
         if self.algo.kl.use_loss and self.kl_coef != 0:
             needed.add("ref_logprobs")
         if self.algo.rollout_correction is not None:
@@ -81,15 +91,15 @@ class PPOActorObjective:
             temperature=self.temperature,
             with_entropy=want_entropy or self.entropy_metric,
         )
-        mask = batch["action_mask"]
+        f = view(batch, ActorFields, need=self.fields())
+        mask = f.action_mask
         # On-policy with one optimizer step per rollout, π_old is the policy itself: the
         # driver may leave old_logprobs out and save a forward pass.
-        old = batch.get("old_logprobs")
-        rollout = batch.get("rollout_logprobs")
+        old, rollout = f.old_logprobs, f.rollout_logprobs
         loss, metrics = policy_loss(
             logprobs=logprobs,
             old_logprobs=logprobs.detach() if old is None else old,
-            advantages=batch["advantages"],
+            advantages=f.advantages,
             action_mask=mask,
             config=algo.policy_loss,
             aggregation=algo.loss_agg_mode,
@@ -110,9 +120,10 @@ class PPOActorObjective:
             "max_len": algo.loss_agg_max_len,
         }
         if algo.kl.use_loss and self.kl_coef != 0:
+            assert f.ref_logprobs is not None  # needed: `view` checked it
             kl = kl_penalty(
                 logprobs=logprobs,
-                ref_logprobs=batch["ref_logprobs"],
+                ref_logprobs=f.ref_logprobs,
                 action_mask=mask,
                 estimator=algo.kl.estimator,
                 unbiased_gradient=algo.kl.unbiased_gradient,
@@ -133,7 +144,7 @@ class PPOActorObjective:
 
 @dataclass(frozen=True)
 class CriticObjective:
-    """Clipped value loss. Batch fields: ``action_mask``, ``old_values``, ``returns``.
+    """Clipped value loss over `CriticFields` (``action_mask``, ``old_values``, ``returns``).
 
     Attributes:
         algo: Uses ``value_clip`` and the aggregation settings.
@@ -145,17 +156,18 @@ class CriticObjective:
 
     def fields(self) -> frozenset[FieldName]:
         """The batch fields this step reads (`rlhf.learner.batch.check_fields`)."""
-        return frozenset({"action_mask", "old_values", "returns"})
+        return required_fields(CriticFields)
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         values = token_values(
             model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
         )
-        mask = batch["action_mask"]
+        f = view(batch, CriticFields)
+        mask = f.action_mask
         per_token, metrics = clipped_value_loss(
             values=values,
-            old_values=batch["old_values"],
-            returns=batch["returns"],
+            old_values=f.old_values,
+            returns=f.returns,
             action_mask=mask,
             clip_eps=self.algo.value_clip,
         )
@@ -179,7 +191,7 @@ def _unless_empty(mask: Tensor, metrics: Metrics) -> Metrics:
 
 @dataclass(frozen=True)
 class SFTObjective:
-    """Token-mean NLL. Batch field: ``loss_mask`` (B, L), 1 on tokens to learn.
+    """Token-mean NLL over `LossMaskFields` (``loss_mask`` (B, L), 1 on tokens to learn).
 
     Attributes:
         normalizer: Total number of loss tokens in the step.
@@ -189,11 +201,12 @@ class SFTObjective:
 
     def fields(self) -> frozenset[FieldName]:
         """The batch fields this step reads (`rlhf.learner.batch.check_fields`)."""
-        return frozenset({"loss_mask"})
+        return required_fields(LossMaskFields)
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
+        loss_mask = view(batch, LossMaskFields).loss_mask
         logprobs, _ = batch_logprobs(model, batch)
-        return sft_loss(logprobs=logprobs, loss_mask=batch["loss_mask"], normalizer=self.normalizer)
+        return sft_loss(logprobs=logprobs, loss_mask=loss_mask, normalizer=self.normalizer)
 
 
 def _halves(batch: Batch, values: Tensor) -> tuple[Tensor, Tensor]:
@@ -207,7 +220,8 @@ def _halves(batch: Batch, values: Tensor) -> tuple[Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class RewardModelObjective:
-    """Pairwise reward-model loss on the last-token scores. Optional field ``margin`` (B,).
+    """Pairwise reward-model loss on the last-token scores; `RewardModelFields` (an optional
+    ``margin`` (B,)).
 
     Attributes:
         normalizer: Number of pairs in the step.
@@ -220,14 +234,14 @@ class RewardModelObjective:
     def fields(self) -> frozenset[FieldName]:
         """The batch fields this step reads (`rlhf.learner.batch.check_fields`): none required
         (``margin`` is optional)."""
-        return frozenset()
+        return required_fields(RewardModelFields)
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
         scores = sequence_scores(
             model, batch.input_ids, batch.attention_mask, packing_samples=batch.packing_samples
         )
         chosen, rejected = _halves(batch, scores)
-        margin = batch.get("margin")
+        margin = view(batch, RewardModelFields).margin
         return reward_model_loss(
             chosen_rewards=chosen,
             rejected_rewards=rejected,
@@ -239,14 +253,14 @@ class RewardModelObjective:
 
 def sequence_logps(model: torch.nn.Module, batch: Batch) -> Tensor:
     """Σ over ``loss_mask`` of the token log-probs: (B,) (DPO's log π(y|x))."""
+    mask = view(batch, LossMaskFields).loss_mask
     logprobs, _ = batch_logprobs(model, batch)
-    mask = batch["loss_mask"]
     return torch.where(mask > 0, logprobs, torch.zeros_like(logprobs)).sum(dim=1)
 
 
 @dataclass(frozen=True)
 class DPOObjective:
-    """DPO-family loss. Batch fields: ``loss_mask`` (B, L) on response tokens and
+    """DPO-family loss over `DPOFields`: ``loss_mask`` (B, L) on response tokens and
     ``ref_logps`` (B,) from the reference model (`sequence_logps`).
 
     Attributes:
@@ -265,15 +279,16 @@ class DPOObjective:
 
     def fields(self) -> frozenset[FieldName]:
         """The batch fields this step reads (`rlhf.learner.batch.check_fields`)."""
-        return frozenset({"loss_mask", "ref_logps"})
+        return required_fields(DPOFields)
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Metrics]:
+        f = view(batch, DPOFields)
         logps = sequence_logps(model, batch)
         chosen, rejected = _halves(batch, logps)
-        ref_chosen, ref_rejected = _halves(batch, batch["ref_logps"])
+        ref_chosen, ref_rejected = _halves(batch, f.ref_logps)
         chosen_nll = None
         if self.nll_coef > 0:
-            tokens = _halves(batch, batch["loss_mask"].sum(dim=1))[0].clamp(min=1)
+            tokens = _halves(batch, f.loss_mask.sum(dim=1))[0].clamp(min=1)
             chosen_nll = -chosen / tokens
         return dpo_loss(
             chosen_logps=chosen,

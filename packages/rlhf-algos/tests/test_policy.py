@@ -177,6 +177,70 @@ def test_sequence_mask_drops_a_whole_sequence_outside_the_threshold() -> None:
     assert metrics["rollout_correction/outside_frac"].item() == pytest.approx(0.5)
 
 
+# Divergence gates at p = π_rollout(y_t), q = π_old(y_t) for three tokens:
+#   (p, q) = (0.2, 0.3), (0.5, 0.5), (0.9, 0.6); w = q/p = [1.5, 1, 2/3].
+#   binary_kl = 0.2·ln(2/3) + 0.8·ln(8/7) = −0.0810930 + 0.1068251 = 0.0257321;
+#               0; 0.9·ln 1.5 + 0.1·ln 0.25 = 0.3649186 − 0.1386294 = 0.2262892.
+#   tv = 0.1, 0, 0.3. Sequence means: binary_kl 0.0840071, tv 0.1333333.
+GATE_P = [0.2, 0.5, 0.9]
+GATE_Q = [0.3, 0.5, 0.6]
+
+
+@pytest.mark.parametrize(
+    ("gating", "level", "high", "expected"),
+    [
+        ("binary_kl", "token", 0.05, [1.5, 1.0, 0.0]),  # 0.2263 > 0.05: token 3 masked
+        ("binary_kl", "token", 0.02, [0.0, 1.0, 0.0]),  # 0.0257 > 0.02 too
+        ("tv", "token", 0.2, [1.5, 1.0, 0.0]),
+        ("tv", "token", 0.05, [0.0, 1.0, 0.0]),
+        ("binary_kl", "geometric", 0.1, [1.5, 1.0, 2 / 3]),  # mean 0.0840 inside: all kept
+        ("binary_kl", "geometric", 0.08, [0.0, 0.0, 0.0]),  # mean 0.0840 outside: all dropped
+        ("tv", "geometric", 0.14, [1.5, 1.0, 2 / 3]),  # mean 0.1333
+        ("tv", "geometric", 0.13, [0.0, 0.0, 0.0]),
+    ],
+)
+def test_divergence_gates_mask_by_their_upper_bound(gating, level, high, expected) -> None:
+    w, metrics = rollout_correction_weights(
+        old_logprobs=t([[math.log(q) for q in GATE_Q] + [0.0]]),
+        rollout_logprobs=t([[math.log(p) for p in GATE_P] + [-5.0]]),
+        action_mask=t([[1, 1, 1, 0]]),  # the masked token's divergence counts nowhere
+        config=RolloutCorrectionConfig(
+            level=level, mode="mask", threshold=(0.0, high), gating=gating
+        ),
+    )
+    torch.testing.assert_close(w, t([[*expected, 0.0]]), atol=1e-6, rtol=0)
+    dropped = sum(1 for e in expected if e == 0.0)
+    assert metrics["rollout_correction/outside_frac"].item() == pytest.approx(dropped / 3)
+
+
+def test_the_divergences_match_their_formulas() -> None:
+    from rlhf.algos import CORRECTION_DIVERGENCES
+
+    p, q = t([GATE_P]), t([GATE_Q])
+    torch.testing.assert_close(
+        CORRECTION_DIVERGENCES.get("binary_kl")(p, q),
+        t([[0.0257321, 0.0, 0.2262892]]),
+        atol=1e-7,
+        rtol=0,
+    )
+    torch.testing.assert_close(
+        CORRECTION_DIVERGENCES.get("tv")(p, q), t([[0.1, 0.0, 0.3]]), atol=1e-12, rtol=0
+    )
+
+
+def test_a_divergence_gate_needs_mask_an_upper_bound_and_a_per_token_statistic() -> None:
+    with pytest.raises(ValueError, match=r"gating binary_kl needs mode mask \(not truncate\)"):
+        RolloutCorrectionConfig(gating="binary_kl", threshold=(0.0, 0.1))
+    with pytest.raises(
+        ValueError, match=r"an upper bound only: threshold \(0, HIGH\), not \(0\.5, 5\.0\)"
+    ):
+        RolloutCorrectionConfig(gating="tv", mode="mask")
+    with pytest.raises(ValueError, match="level token or geometric"):
+        RolloutCorrectionConfig(gating="tv", mode="mask", level="sequence", threshold=(0.0, 0.1))
+    with pytest.raises(ValueError, match="unknown rollout correction gating 'kl'"):
+        RolloutCorrectionConfig(gating="kl", mode="mask", threshold=(0.0, 0.1))
+
+
 def test_correction_config_errors() -> None:
     with pytest.raises(
         ValueError,

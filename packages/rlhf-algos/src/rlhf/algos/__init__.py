@@ -18,6 +18,8 @@ from rlhf.algos.advantages import (
 from rlhf.algos.aggregation import AGGREGATIONS, Aggregation, aggregate_loss, loss_normalizer
 from rlhf.algos.config import AlgoConfig
 from rlhf.algos.correction import (
+    CORRECTION_DIVERGENCES,
+    CORRECTION_GATINGS,
     CORRECTION_LEVELS,
     RolloutCorrectionConfig,
     rollout_correction_weights,
@@ -58,6 +60,8 @@ from rlhf.algos.value import clipped_value_loss
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "CORRECTION_DIVERGENCES",
+    "CORRECTION_GATINGS",
     "CORRECTION_LEVELS",
     "GROUP_BASELINES",
     "KL_CONTROLLERS",

@@ -12,6 +12,19 @@ w_t = exp(δ_t), the per-token loss is multiplied by a detached weight w' chosen
 - mode ``mask``: w' = w_t · 1[lo <= statistic <= hi] (token level: IcePop; sequence levels keep
   or drop whole sequences and weight kept tokens by their own w_t).
 
+A *gating* other than ``ratio`` compares a divergence between the two policies at the sampled
+token with the threshold instead of the ratio (a trust region, OpenRLHF 0.11's
+``--algo.advantage.is_correction_gating``): with p = π_rollout(y_t) and q = π_old(y_t), both
+clamped to [1e-6, 1 − 1e-6],
+
+- ``binary_kl``: d_t = p·log(p/q) + (1 − p)·log((1 − p)/(1 − q)), the KL between the two
+  policies collapsed to {y_t, not y_t};
+- ``tv``: d_t = |p − q|.
+
+Its statistic is d_t (level ``token``) or the sequence's mean of d_t (level ``geometric``), it
+masks only (kept tokens weighted by their own w_t; FlashREINFORCE's trust region is
+``geometric`` + ``binary_kl``) and its threshold is an upper bound: lo = 0.
+
 OpenRLHF's default threshold is [0.5, 5.0]. Weights outside the action mask are 0.
 """
 
@@ -55,6 +68,29 @@ def geometric_level(delta: Tensor, mask: Tensor) -> Tensor:
 
 CORRECTION_MODES = ("truncate", "mask")
 
+PROBABILITY_CLAMP = 1e-6
+"""p and q of a divergence gate are clamped to [this, 1 − this] (finite logs)."""
+
+# Family signature: fn(p_rollout: (B, T), q_old: (B, T)) -> (B, T) divergence at the token
+CorrectionDivergence = Callable[[Tensor, Tensor], Tensor]
+CORRECTION_DIVERGENCES: Registry[CorrectionDivergence] = Registry("rollout correction gating")
+
+
+@CORRECTION_DIVERGENCES.register("binary_kl")
+def binary_kl(p: Tensor, q: Tensor) -> Tensor:
+    """p·log(p/q) + (1 − p)·log((1 − p)/(1 − q)). (B, T), (B, T) → (B, T)."""
+    return p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+
+
+@CORRECTION_DIVERGENCES.register("tv")
+def total_variation(p: Tensor, q: Tensor) -> Tensor:
+    """|p − q|. (B, T), (B, T) → (B, T)."""
+    return (p - q).abs()
+
+
+CORRECTION_GATINGS = ("ratio", *CORRECTION_DIVERGENCES.names())
+"""What a correction's threshold is compared with: the ratio, or a divergence."""
+
 
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
@@ -64,11 +100,14 @@ class RolloutCorrectionConfig:
         level: Name in `CORRECTION_LEVELS`: token, sequence or geometric.
         mode: ``truncate`` (clamp the statistic) or ``mask`` (drop tokens/sequences outside).
         threshold: (lo, hi) with 0 <= lo < hi.
+        gating: ``ratio`` (the threshold bounds the ratio) or a `CORRECTION_DIVERGENCES` name
+            (it bounds that divergence: mode ``mask``, level token or geometric, lo = 0).
     """
 
     level: str = "token"
     mode: str = "truncate"
     threshold: tuple[float, float] = (0.5, 5.0)
+    gating: str = "ratio"
 
     def __post_init__(self) -> None:
         CORRECTION_LEVELS.canonical(self.level)
@@ -80,6 +119,25 @@ class RolloutCorrectionConfig:
         low, _ = _checks.interval("rollout_correction.threshold", self.threshold, strict=True)
         if low < 0:
             raise ValueError(f"rollout_correction.threshold must be >= 0, got {self.threshold}")
+        if self.gating == "ratio":
+            return
+        CORRECTION_DIVERGENCES.canonical(self.gating)
+        problems = [
+            what
+            for bad, what in (
+                (self.mode != "mask", f"mode mask (not {self.mode})"),
+                (
+                    CORRECTION_LEVELS.canonical(self.level) == "sequence",
+                    "level token or geometric (a divergence has no sequence product)",
+                ),
+                (low != 0, f"an upper bound only: threshold (0, HIGH), not {self.threshold}"),
+            )
+            if bad
+        ]
+        if problems:
+            raise ValueError(
+                f"rollout_correction.gating {self.gating} needs " + "; ".join(problems)
+            )
 
 
 def rollout_correction_weights(
@@ -107,7 +165,7 @@ def rollout_correction_weights(
     low, high = config.threshold
     delta = _checks.upcast(old.detach()) - _checks.upcast(rollout.detach())
     delta = _checks.zero_masked(delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), m)
-    statistic = CORRECTION_LEVELS.get(config.level)(delta, m)
+    statistic = _statistic(old, rollout, delta, m, config)
     inside = (statistic >= low) & (statistic <= high)
     if config.mode == "truncate":
         weights = statistic.clamp(min=low, max=high)
@@ -122,3 +180,19 @@ def rollout_correction_weights(
         "rollout_correction/mismatch_kl": masked_mean(torch.expm1(delta) - delta, m).detach(),
     }
     return weights.detach(), metrics
+
+
+def _statistic(
+    old: Tensor, rollout: Tensor, delta: Tensor, mask: Tensor, config: RolloutCorrectionConfig
+) -> Tensor:
+    """What the threshold bounds, (B, T): the level's ratio statistic, or the gating's
+    divergence per token (level token) or its per-sequence mean (level geometric)."""
+    if config.gating == "ratio":
+        return CORRECTION_LEVELS.get(config.level)(delta, mask)
+    bound = (PROBABILITY_CLAMP, 1 - PROBABILITY_CLAMP)
+    p = torch.exp(_checks.upcast(rollout.detach())).clamp(*bound)
+    q = torch.exp(_checks.upcast(old.detach())).clamp(*bound)
+    divergence = _checks.zero_masked(CORRECTION_DIVERGENCES.get(config.gating)(p, q), mask)
+    if CORRECTION_LEVELS.canonical(config.level) == "token":
+        return divergence
+    return masked_mean(divergence, mask, dim=1).unsqueeze(1).expand_as(divergence)

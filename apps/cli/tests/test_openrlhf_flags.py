@@ -215,8 +215,9 @@ def test_openrlhf_rollout_correction_is_ours_with_its_names() -> None:
          "clip", "--algo.advantage.is_correction_threshold", "0.8", "2", "--train.num_steps", "3"],
     )  # fmt: skip
     correction = config.algo.rollout_correction
+    # OpenRLHF's seq level gates the sequence's mean log-ratio: our geometric level.
     assert (correction.level, correction.mode, correction.threshold) == (
-        "sequence",
+        "geometric",
         "truncate",
         (0.8, 2.0),
     )
@@ -230,6 +231,32 @@ def test_openrlhf_rollout_correction_is_ours_with_its_names() -> None:
         "mask",
         (0.0, 4.0),
     )
+
+
+def test_openrlhf_divergence_gates_are_ours_with_an_upper_bound() -> None:
+    # FlashREINFORCE's trust region: seq level, binary_kl gating, a single threshold.
+    config = parse_rl("grpo", ["--algo.advantage.is_correction_level", "seq",
+                               "--algo.advantage.is_correction_gating", "binary_kl",
+                               "--algo.advantage.is_correction_threshold", "0.01"])  # fmt: skip
+    correction = config.algo.rollout_correction
+    assert (correction.level, correction.mode, correction.threshold, correction.gating) == (
+        "geometric",
+        "mask",
+        (0.0, 0.01),
+        "binary_kl",
+    )
+    tv = parse_rl("grpo", ["--algo.advantage.is_correction_level", "token",
+                           "--algo.advantage.is_correction_gating", "tv",
+                           "--algo.advantage.is_correction_threshold", "0.2"])  # fmt: skip
+    assert tv.algo.rollout_correction.gating == "tv"
+    assert tv.algo.rollout_correction.level == "token"
+    for extra in ([], ["--algo.advantage.is_correction_threshold", "0.1", "0.5"],
+                  ["--algo.advantage.is_correction_mode", "clip",
+                   "--algo.advantage.is_correction_threshold", "0.1"]):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"gating tv masks by an upper bound only: give "
+                           r"--algo\.advantage\.is_correction_threshold HIGH"):  # fmt: skip
+            parse_rl("grpo", ["--algo.advantage.is_correction_level", "token",
+                              "--algo.advantage.is_correction_gating", "tv", *extra])  # fmt: skip
 
 
 def test_sleep_under_async_is_a_note(capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,7 +300,7 @@ def test_a_flag_without_effect_says_so(capsys: pytest.CaptureFixture[str]) -> No
         (["--actor.muon.lr", "0.02"], "Muon"),
         (["--data.image_key", "images"], "issue 45"),
         (["--ds.param_dtype", "fp16"], "accepted here: bf16"),
-        (["--algo.advantage.is_correction_gating", "binary_kl"], "binary_kl"),
+        (["--algo.advantage.is_correction_gating", "kl"], "binary_kl"),
         (["--use_ms"], "--use_ms True"),
     ],
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from rlhf.algos import CORRECTION_GATINGS
 from rlhf.cli.config import ConfigError
 from rlhf.cli.openrlhf.entries import NOTE, pair_from_one_or_two, switch
 
@@ -37,14 +38,16 @@ def _correction(given: dict[str, list[str]]) -> list[str]:
         given = _correction_of_0_11_0(given)
     level = given.get("algo.advantage.is_correction_level", ["off"])[0]
     gating = given.get("algo.advantage.is_correction_gating", ["ratio"])[0]
-    if gating != "ratio":
+    if gating not in CORRECTION_GATINGS:
         raise ConfigError(
-            f"--algo.advantage.is_correction_gating {gating}: only ratio gating is built "
-            "(issue 44 builds binary_kl and tv)"
+            f"--algo.advantage.is_correction_gating {gating}: choose "
+            f"{', '.join(CORRECTION_GATINGS)}"
         )
     if level == "off":
         return []
-    levels = {"token": "token", "seq": "sequence", "geometric": "geometric"}
+    # OpenRLHF's seq level reads the sequence's mean: of log-ratios (so the ratios' geometric
+    # mean), or of the divergence.
+    levels = {"token": "token", "seq": "geometric", "geometric": "geometric"}
     if level not in levels:
         raise ConfigError(f"--algo.advantage.is_correction_level {level}: choose off, token or seq")
     modes = {"mask": "mask", "clip": "truncate"}
@@ -54,10 +57,17 @@ def _correction(given: dict[str, list[str]]) -> list[str]:
     threshold = pair_from_one_or_two(
         given.get("algo.advantage.is_correction_threshold", ["0.5", "5.0"])
     )
+    if gating != "ratio" and (mode != "mask" or float(threshold[0]) != 0):
+        raise ConfigError(
+            f"--algo.advantage.is_correction_gating {gating} masks by an upper bound only: give "
+            "--algo.advantage.is_correction_threshold HIGH (one value, e.g. 0.01) and "
+            "--algo.advantage.is_correction_mode mask"
+        )
     return [
         "--algo.rollout_correction.level", levels[level],
         "--algo.rollout_correction.mode", modes[mode],
         "--algo.rollout_correction.threshold", *threshold,
+        "--algo.rollout_correction.gating", gating,
     ]  # fmt: skip
 
 
@@ -210,7 +220,9 @@ FINISHERS: dict[str, Callable[[dict[str, list[str]]], list[str]]] = {
 
 GROUP_DOCS = {
     **{f"ranks:{r}": f"`{r}` ranks = nodes × GPUs per node" for r in ("actor", "critic")},
-    "correction": "`--algo.rollout_correction.*`: seq → sequence, clip → truncate",
+    "correction": (
+        "`--algo.rollout_correction.*`: seq → geometric (the mean), clip → truncate, gating as is"
+    ),
     "ema": "`--actor.optimizer.ema_decay` = `--train.ema_beta` when enabled",
     "dynamic_batch": "`--train.max_tokens_per_micro_batch` when enabled",
     "clip": "`--algo.policy_loss.clip_eps_low`, `…_high`",

@@ -284,6 +284,10 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
         ),
         (["--MODEL", "--data.input_key", "question"], "row 0 has no 'question' (--data.input_key)"),
         (
+            ["--MODEL", "--algo.advantage.estimator", "distill"],
+            "--algo.advantage.estimator=distill reads a teacher model's log-probs",
+        ),
+        (
             ["--MODEL", "--data.input_template", "Q: {question}"],
             "--data.input_template 'Q: {question}' cannot wrap a prompt (KeyError('question'))",
         ),

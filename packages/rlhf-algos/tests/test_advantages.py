@@ -34,7 +34,7 @@ def run(estimator: str, rewards, mask, *, n: int, values=None, **config) -> torc
 
 def test_every_registered_estimator_has_a_hand_case_below() -> None:
     covered = {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo",
-               "flash_reinforce"}  # fmt: skip
+               "flash_reinforce", "distill"}  # fmt: skip
     assert set(ADVANTAGE_ESTIMATORS.names()) == covered
 
 
@@ -43,19 +43,62 @@ def test_estimators_say_what_they_need() -> None:
     # samples of a prompt (the CLI asks these instead of listing names).
     needs = {
         name: (AdvantageConfig(estimator=name).spec.needs_critic,
-               AdvantageConfig(estimator=name).spec.needs_groups)
+               AdvantageConfig(estimator=name).spec.needs_groups,
+               AdvantageConfig(estimator=name).spec.needs_teacher)
         for name in ADVANTAGE_ESTIMATORS.names()
     }  # fmt: skip
     assert needs == {
-        "gae": (True, False),
-        "reinforce": (False, False),
-        "reinforce_baseline": (False, True),
-        "rloo": (False, True),
-        "group_norm": (False, True),
-        "grpo": (False, True),
-        "dr_grpo": (False, True),
-        "flash_reinforce": (False, False),  # one sample per prompt: the batch is the baseline
+        "gae": (True, False, False),
+        "reinforce": (False, False, False),
+        "reinforce_baseline": (False, True, False),
+        "rloo": (False, True, False),
+        "group_norm": (False, True, False),
+        "grpo": (False, True, False),
+        "dr_grpo": (False, True, False),
+        "flash_reinforce": (
+            False,
+            False,
+            False,
+        ),  # one sample per prompt: the batch is the baseline
+        "distill": (False, False, True),  # its token step reads a teacher's log-probs
     }
+    assert AdvantageConfig(estimator="distill").spec.needs == {"logprobs", "teacher_logprobs"}
+
+
+def test_distill_advantage_is_the_teacher_minus_the_student_log_prob_per_token() -> None:
+    # Student log π(y_t) = [−1.5, −0.5, (feedback) −9, −1.0], teacher log π_T(y_t) =
+    # [−1.0, −0.5, (feedback) 0, −2.0] → A_t = π_T − π = [0.5, 0, 0, −1.0] on action tokens,
+    # each token its own (no discounting, no whitening), whatever the rewards; the reverse KL
+    # sample mean over the 3 action tokens is (−0.5 + 0 + 1.0)/3 = 1/6.
+    out = compute_advantages(
+        config=AdvantageConfig(estimator="distill", reward_clip=None),
+        rewards=t([7.0]),
+        action_mask=t([[1, 1, 0, 1]]),
+        logprobs=t([[-1.5, -0.5, -9.0, -1.0]]),
+        teacher_logprobs=t([[-1.0, -0.5, 0.0, -2.0]]),
+    )
+    torch.testing.assert_close(out.advantages, t([[0.5, 0.0, 0.0, -1.0]]))
+    torch.testing.assert_close(out.returns, out.advantages)
+    assert out.metrics["distill/reverse_kl"].item() == pytest.approx(1 / 6)
+    with pytest.raises(
+        ValueError,
+        match=r"teacher_logprobs \(a teacher's\) are required by the 'distill' estimator",
+    ):
+        compute_advantages(
+            config=AdvantageConfig(estimator="distill"),
+            rewards=t([1.0]),
+            action_mask=t([[1, 1]]),
+            logprobs=t([[-1.0, -1.0]]),
+        )
+
+
+def test_a_recipe_names_a_registered_token_step_and_baseline() -> None:
+    from rlhf.algos import EstimatorSpec
+
+    with pytest.raises(ValueError, match="unknown token step 'td'; choose one of: gae, returns"):
+        EstimatorSpec("none", "td", whiten=False)
+    with pytest.raises(ValueError, match="unknown group baseline 'median'"):
+        EstimatorSpec("median", "returns", whiten=False)
 
 
 def test_reinforce_discounts_per_action_token() -> None:
@@ -327,7 +370,7 @@ def test_bad_inputs_name_the_argument() -> None:
         )
     with pytest.raises(
         ValueError,
-        match="unknown advantage estimator .ppo.; choose one of: dr_grpo, flash_reinforce, gae",
+        match="unknown advantage estimator .ppo.; choose one of: distill, dr_grpo, flash_reinforce, gae",
     ):
         AdvantageConfig(estimator="ppo")
     with pytest.raises(ValueError, match="values \\(critic\\) are required"):

@@ -187,6 +187,12 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
         (not config.actor.model.path, "--actor.model.path is required"),
         (not config.data.prompt_data and not config.dry_run, "--data.prompt_data is required"),
         (
+            config.algo.advantage.spec.needs_teacher,
+            f"--algo.advantage.estimator={config.algo.advantage.estimator} reads a teacher "
+            "model's log-probs of the sampled tokens, and no teacher role is built yet (the "
+            "teacher role and `rlhf train distill` come next): choose another estimator",
+        ),
+        (
             config.rollout.n_samples_per_prompt < 2 and config.algo.advantage.spec.needs_groups,
             f"--algo.advantage.estimator={config.algo.advantage.estimator} compares samples "
             "of a prompt: set --rollout.n_samples_per_prompt >= 2",

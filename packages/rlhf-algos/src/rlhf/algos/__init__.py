@@ -8,12 +8,16 @@ Families of variants are registries (`Registry`) with one fixed signature each.
 from rlhf.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     GROUP_BASELINES,
+    TOKEN_STEPS,
     AdvantageConfig,
     Advantages,
     EstimatorSpec,
+    TokenStep,
+    TokenStepInputs,
     compute_advantages,
     discounted_returns,
     gae,
+    reverse_kl_advantages,
 )
 from rlhf.algos.aggregation import AGGREGATIONS, Aggregation, aggregate_loss, loss_normalizer
 from rlhf.algos.config import AlgoConfig
@@ -69,6 +73,7 @@ __all__ = [
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
     "REWARD_MODEL_LOSSES",
+    "TOKEN_STEPS",
     "AdaptiveKLController",
     "AdvantageConfig",
     "Advantages",
@@ -82,6 +87,8 @@ __all__ = [
     "PolicyLossConfig",
     "Registry",
     "RolloutCorrectionConfig",
+    "TokenStep",
+    "TokenStepInputs",
     "WhitenStats",
     "aggregate_loss",
     "clip_rewards",
@@ -105,6 +112,7 @@ __all__ = [
     "overlong_filter_mask",
     "overlong_penalty",
     "policy_loss",
+    "reverse_kl_advantages",
     "reward_model_loss",
     "rollout_correction_weights",
     "sft_loss",

@@ -3,15 +3,16 @@
 An estimator is three steps:
 
 1. a scalar step on the sequence reward R within each prompt group (`GROUP_BASELINES`),
-2. a token step on the shaped per-token rewards: GAE(γ, λ) with critic values, or the
-   discounted return G_t,
+2. a token step (`TOKEN_STEPS`): GAE(γ, λ) over the shaped per-token rewards with critic
+   values, the discounted return G_t, or the reverse KL to a teacher at each sampled token
+   (on-policy distillation); each step declares the inputs it reads beyond the rewards,
 3. optional global masked whitening over every valid token of the step.
 
-`ADVANTAGE_ESTIMATORS` maps OpenRLHF's estimator names to such a recipe (`EstimatorSpec`);
-`compute_advantages` runs one. Positions outside the action mask (environment feedback in
-multi-turn episodes, padding) are not steps: returns and GAE carry their values across them, as
-Molt does and OpenRLHF does not. The value past the last action token is 0 (no bootstrapping
-from truncated samples, as in OpenRLHF and verl).
+`ADVANTAGE_ESTIMATORS` maps OpenRLHF's estimator names (and ``distill``) to such a recipe
+(`EstimatorSpec`); `compute_advantages` runs one. Positions outside the action mask
+(environment feedback in multi-turn episodes, padding) are not steps: returns and GAE carry
+their values across them, as Molt does and OpenRLHF does not. The value past the last action
+token is 0 (no bootstrapping from truncated samples, as in OpenRLHF and verl).
 """
 
 from __future__ import annotations
@@ -188,25 +189,137 @@ def gae(
 
 
 @dataclass(frozen=True)
+class TokenStepInputs:
+    """What a token step may read besides the shaped rewards; each (B, T), detached.
+
+    Attributes:
+        action_mask: 1 on tokens the policy produced.
+        values: Critic values V(s_t) (GAE).
+        logprobs: The sampling policy's log-probs of its tokens, log π_old(y_t).
+        teacher_logprobs: A frozen teacher's log-probs of the same tokens, log π_T(y_t).
+    """
+
+    action_mask: Tensor
+    values: Tensor | None = None
+    logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
+
+
+TokenStepInput = Literal["values", "logprobs", "teacher_logprobs"]
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """One token step: ``run(token_rewards, inputs, gamma=, lam=) -> (advantages, returns)``,
+    each (B, T), and the `TokenStepInputs` it needs (``needs``)."""
+
+    run: Callable[..., tuple[Tensor, Tensor]]
+    needs: frozenset[TokenStepInput] = frozenset()
+
+
+TOKEN_STEPS: Registry[TokenStep] = Registry("token step")
+
+_INPUT_NAMES: dict[str, str] = {
+    "values": "values (critic)",
+    "logprobs": "logprobs (the sampling policy's)",
+    "teacher_logprobs": "teacher_logprobs (a teacher's)",
+}
+
+
+def _gae_step(
+    token_rewards: Tensor, inputs: TokenStepInputs, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    assert inputs.values is not None  # needs: checked by compute_advantages
+    return gae(token_rewards, inputs.values, inputs.action_mask, gamma=gamma, lam=lam)
+
+
+def _returns_step(
+    token_rewards: Tensor, inputs: TokenStepInputs, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    returns = discounted_returns(token_rewards, inputs.action_mask, gamma=gamma)
+    return returns, returns
+
+
+def _reverse_kl_step(
+    token_rewards: Tensor, inputs: TokenStepInputs, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    assert inputs.logprobs is not None  # needs: checked by compute_advantages
+    assert inputs.teacher_logprobs is not None
+    advantages = reverse_kl_advantages(
+        logprobs=inputs.logprobs,
+        teacher_logprobs=inputs.teacher_logprobs,
+        action_mask=inputs.action_mask,
+    )
+    return advantages, advantages
+
+
+def reverse_kl_advantages(
+    *, logprobs: Tensor, teacher_logprobs: Tensor, action_mask: Tensor
+) -> Tensor:
+    """On-policy distillation's per-token advantage: A_t = log π_T(y_t) − log π(y_t), the
+    negative reverse-KL sample at the student's own token y_t (discount 0: each token answers
+    for itself). A policy-gradient step on it lowers KL(π ‖ π_T) in expectation over the
+    student's samples; only the teacher's log-probs of the sampled tokens are needed.
+
+    Args:
+        logprobs: (B, T) the student's log-probs of its sampled tokens (sampling time).
+        teacher_logprobs: (B, T) the teacher's log-probs of the same tokens.
+        action_mask: (B, T).
+
+    Returns:
+        (B, T), 0 outside the mask, detached.
+    """
+    student = _checks.floating("logprobs", logprobs, ndim=2).detach()
+    teacher = _checks.floating("teacher_logprobs", teacher_logprobs).detach()
+    _checks.same_shape("logprobs", student, teacher_logprobs=teacher)
+    m = _checks.mask("action_mask", action_mask, like=student, like_name="logprobs")
+    gap = _checks.upcast(teacher) - _checks.upcast(student)
+    return torch.where(m > 0, gap, torch.zeros_like(gap))
+
+
+TOKEN_STEPS.register("gae")(TokenStep(_gae_step, frozenset({"values"})))
+TOKEN_STEPS.register("returns")(TokenStep(_returns_step))
+TOKEN_STEPS.register("reverse_kl")(
+    TokenStep(_reverse_kl_step, frozenset({"logprobs", "teacher_logprobs"}))
+)
+
+
+@dataclass(frozen=True)
 class EstimatorSpec:
     """Recipe of one advantage estimator.
 
     Attributes:
         baseline: Name in `GROUP_BASELINES` applied to the scalar reward.
-        token_step: ``"gae"`` (needs critic values) or ``"returns"`` (discounted return G_t).
+        token_step: Name in `TOKEN_STEPS`: ``gae`` (needs critic values), ``returns``
+            (discounted return G_t) or ``reverse_kl`` (needs the sampling log-probs and a
+            teacher's).
         whiten: Whether global masked whitening is applied by default.
         unit_gamma: Force γ = 1 in the token step (group estimators).
     """
 
     baseline: str
-    token_step: Literal["gae", "returns"]
+    token_step: str
     whiten: bool
     unit_gamma: bool = False
+
+    def __post_init__(self) -> None:
+        TOKEN_STEPS.canonical(self.token_step)
+        GROUP_BASELINES.canonical(self.baseline)
+
+    @property
+    def needs(self) -> frozenset[TokenStepInput]:
+        """The inputs its token step reads beyond the rewards (`TokenStepInputs`)."""
+        return TOKEN_STEPS.get(self.token_step).needs
 
     @property
     def needs_critic(self) -> bool:
         """The token step needs critic values (GAE)."""
-        return self.token_step == "gae"
+        return "values" in self.needs
+
+    @property
+    def needs_teacher(self) -> bool:
+        """The token step needs a teacher's log-probs (on-policy distillation)."""
+        return "teacher_logprobs" in self.needs
 
     @property
     def needs_groups(self) -> bool:
@@ -238,6 +351,9 @@ ADVANTAGE_ESTIMATORS.register("dr_grpo")(
 ADVANTAGE_ESTIMATORS.register("flash_reinforce")(
     EstimatorSpec("batch_mean", "returns", whiten=False, unit_gamma=True)
 )
+ADVANTAGE_ESTIMATORS.register("distill")(
+    EstimatorSpec("none", "reverse_kl", whiten=False, unit_gamma=True)
+)
 
 
 @dataclass(frozen=True)
@@ -247,7 +363,8 @@ class AdvantageConfig:
     Attributes:
         estimator: Name in `ADVANTAGE_ESTIMATORS`: gae, reinforce, reinforce_baseline, rloo,
             group_norm (alias grpo), dr_grpo, flash_reinforce (R minus the batch's mean reward,
-            no whitening: for one sample per prompt).
+            no whitening: for one sample per prompt), distill (the reverse KL to a teacher at
+            each sampled token; the reward is not used).
         gamma: Discount γ; group estimators use γ = 1 regardless.
         lam: GAE λ (``gae`` only).
         whiten: Global masked whitening; None uses the estimator's default from the table.
@@ -306,6 +423,8 @@ def compute_advantages(
     kl_coef: float = 0.0,
     token_rewards: Tensor | None = None,
     whiten_stats: WhitenStats | None = None,
+    logprobs: Tensor | None = None,
+    teacher_logprobs: Tensor | None = None,
 ) -> Advantages:
     """Run the estimator named by ``config.estimator`` on one step's batch.
 
@@ -324,6 +443,13 @@ def compute_advantages(
         whiten_stats: Global whitening statistics when the step's batch is split across ranks:
             the sums of `whiten_stats` of the *unwhitened* advantages (a first call with
             ``whiten=False`` on each rank gives them). None whitens over this batch.
+        logprobs: (B, T) the sampling policy's log-probs of its tokens; required by
+            ``distill``.
+        teacher_logprobs: (B, T) a teacher's log-probs of the same tokens; required by
+            ``distill``.
+
+    Raises:
+        ValueError: an input the estimator's token step needs is None, naming both.
 
     Returns:
         `Advantages` with (B, T) tensors, all without gradient (inputs are detached).
@@ -341,13 +467,15 @@ def compute_advantages(
         token_rewards=token_rewards,
     )
     gamma = 1.0 if spec.unit_gamma else config.gamma
-    if spec.token_step == "gae":
-        if values is None:
-            raise ValueError(f"values (critic) are required by the {config.estimator!r} estimator")
-        adv, returns = gae(shaped, values, action_mask, gamma=gamma, lam=config.lam)
-    else:
-        returns = discounted_returns(shaped, action_mask, gamma=gamma)
-        adv = returns
+    inputs = TokenStepInputs(
+        action_mask=action_mask, values=values, logprobs=logprobs, teacher_logprobs=teacher_logprobs
+    )
+    missing = [need for need in sorted(spec.needs) if getattr(inputs, need) is None]
+    if missing:
+        named = " and ".join(_INPUT_NAMES[need] for need in missing)
+        raise ValueError(f"{named} are required by the {config.estimator!r} estimator")
+    step = TOKEN_STEPS.get(spec.token_step)
+    adv, returns = step.run(shaped, inputs, gamma=gamma, lam=config.lam)
     whiten = spec.whiten if config.whiten is None else config.whiten
     if whiten:
         adv = masked_whiten(adv, action_mask, scale_std=config.std_norm, stats=whiten_stats)
@@ -358,4 +486,7 @@ def compute_advantages(
         "returns/mean": masked_mean(returns, m).detach(),
         "rewards/baselined_mean": scalar.mean().detach(),
     }
+    if spec.needs_teacher:
+        # The reverse KL itself: the negative of the mean advantage over action tokens.
+        metrics["distill/reverse_kl"] = -metrics["advantages/mean"]
     return Advantages(advantages=adv, returns=returns, token_rewards=shaped, metrics=metrics)

@@ -144,6 +144,23 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
     assert (tmp_path / "curves.png").stat().st_size > 1000
     if preset == "grpo":
         _check_best_and_ema(assets["model"], tmp_path, evals)
+        _check_eval_only(assets, tmp_path, evals[-1])
+
+
+def _check_eval_only(assets, run_dir, last_eval) -> None:
+    """``--eval.eval_only`` on the exported final policy gives exactly the run's last
+    evaluation (the same weights, the same seeded requests), with vLLM engines alone."""
+    args = _train_args(assets, run_dir / "eval_only")
+    args[args.index("--actor.model.path") + 1] = str(run_dir / "final")
+    del args[args.index("--data.prompt_data") : args.index("--data.prompt_data") + 2]
+    out = rlhf("train", "grpo", *args, "--eval.eval_only", "True")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "[startup] starting" not in out.stdout, out.stdout[-2000:]  # no learner started
+    (row,) = _rows(run_dir / "eval_only" / "metrics.jsonl")
+    evaluated = {k: v for k, v in row.items() if k.startswith("eval/")}
+    assert evaluated == {k: v for k, v in last_eval.items() if k.startswith("eval/")}
+    assert row["step"] == 0
+    assert not (run_dir / "eval_only" / "final").exists()
 
 
 REFILL_REWARD = """
@@ -283,6 +300,7 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
             "--train.async_queue_size must be >= 1",
         ),
         (["--MODEL", "--data.input_key", "question"], "row 0 has no 'question' (--data.input_key)"),
+        (["--MODEL", "--eval.eval_only", "True"], "--eval.eval_only evaluates --data.eval_data"),
         (
             ["--MODEL", "--algo.advantage.estimator", "distill"],
             "--algo.advantage.estimator=distill reads a teacher model's log-probs",

@@ -89,6 +89,8 @@ def run_rl(
     None); its record goes to ``run_dir/startup.json`` after the first step."""
     from rlhf.learner import check_model_dir
 
+    if config.eval.eval_only:
+        return run_eval_only(config.validate().with_absolute_paths(), echo=echo)
     watch = stopwatch or Stopwatch(since_process_start=False)
     config = steps_of_episodes(config.validate().with_absolute_paths(), echo=echo)
     for path in config.model_dirs():
@@ -103,11 +105,7 @@ def run_rl(
     from transformers import AutoTokenizer
 
     run_dir = pathlib.Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = dataclasses.asdict(config)
-    if config.reward.api_key:  # a secret: not in config.json, W&B or TensorBoard
-        resolved["reward"]["api_key"] = "<set>"
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
+    resolved = write_run_config(config)
     for line in plan(config):
         echo(f"[plan] {line}")
     resume_from = None
@@ -226,6 +224,78 @@ def run_rl(
     finally:
         log.close()
         roles.release(keep=finished)  # a later run may take them over (rlhf.cli.warm)
+
+
+def write_run_config(config: RLConfig) -> dict[str, Any]:
+    """``run_dir/config.json`` written (the run directory made); returns what it holds (a
+    reward server's API key as ``<set>``: a secret goes to no file, W&B or TensorBoard)."""
+    run_dir = pathlib.Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = dataclasses.asdict(config)
+    if config.reward.api_key:
+        resolved["reward"]["api_key"] = "<set>"
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
+    return resolved
+
+
+def run_eval_only(config: RLConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """``--eval.eval_only``: the policy at ``--actor.model.path`` evaluated once on
+    ``--data.eval_data`` as a training run evaluates it (``--eval.*``, the run's reward), by
+    vLLM engines alone (no learner starts); the row goes to ``run_dir/metrics.jsonl`` at step
+    0. Returns it as the run's last metrics and its one evaluation."""
+    from transformers import AutoTokenizer
+
+    from rlhf.learner import check_model_dir
+    from rlhf.learner.prompts import load_prompts
+    from rlhf.rollout import EngineConfig, EnginePool, spawn_engines
+
+    check_model_dir(config.actor.model.path)
+    reward = config.resolved_reward()
+    check_user_files(reward=reward, agent_path="", policy_path=config.actor.model.path)
+    start_ray_early(address=config.ray.address)
+    resolved = write_run_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(config.actor.model.path)
+    prompts = load_prompts(config.data.eval_data, config.data, tokenizer)
+    data_metrics = check_prompts(list(prompts.items()), config.data, tokenizer, echo=echo)
+    executors = Executors(tokenizer=tokenizer, rollout=config.rollout, train=config.train,
+                          reward=reward)  # fmt: skip
+    e, run_dir = config.eval, pathlib.Path(config.run_dir)
+    log = open_sinks(config.train, run_dir=run_dir, run_config=resolved, resume=False)
+    engines = []
+    try:
+        cluster = start_ray(address=config.ray.address)
+        echo(f"[eval] {config.vllm.num_engines} vLLM engine(s) serving {config.actor.model.path}")
+        engines = spawn_engines(
+            EngineConfig.of(
+                config.vllm,
+                model=config.actor.model.path,
+                max_model_len=config.rollout.max_len,
+                seed=config.train.seed,
+            ),
+            config.vllm.num_engines,
+            num_cpus=config.vllm.num_cpus,
+            num_gpus=float(config.vllm.world_size) if cluster.gpu else 0.0,
+        )
+        executors.generator = EnginePool(
+            engines, max_in_flight_per_engine=2 * config.vllm.max_num_seqs
+        )
+        result = asyncio.run(
+            evaluate(
+                executors.single_turn(e.temperature),
+                {name: items[: e.max_prompts] for name, items in prompts.items()},
+                n_samples=e.n_samples,
+                solved_threshold=e.solved_threshold,
+                seed=config.train.seed if config.rollout.seed_requests else None,
+            )
+        )
+        row = {"step": 0, **result, **data_metrics}
+        log.write(row)
+        echo(summary_line(row))
+        return {"last": row, "evaluations": [{"step": 0, **result}]}
+    finally:
+        log.close()
+        for engine in engines:
+            engine.shutdown()
 
 
 @dataclasses.dataclass

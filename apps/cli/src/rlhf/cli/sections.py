@@ -365,6 +365,9 @@ class EvalConfig:
             ``…/score_mean``) beats the best so far, the actor is exported to
             ``run_dir/best`` with a ``best.json`` (step, value). Empty: off.
         best_mode: ``max`` (higher is better) or ``min``.
+        eval_only: Evaluate the policy at ``--actor.model.path`` once on ``--data.eval_data``
+            with these settings and stop: vLLM engines only, no learner, no training (the
+            row goes to ``run_dir/metrics.jsonl`` at step 0).
     """
 
     steps: int = 10
@@ -374,6 +377,7 @@ class EvalConfig:
     solved_threshold: float = 1.0
     best_metric: str = ""
     best_mode: str = "max"
+    eval_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,19 @@ def node_problems(config: RLConfig) -> list[str]:
 def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
     return [
         (not config.actor.model.path, "--actor.model.path is required"),
-        (not config.data.prompt_data and not config.dry_run, "--data.prompt_data is required"),
+        (
+            not config.data.prompt_data and not config.dry_run and not config.eval.eval_only,
+            "--data.prompt_data is required",
+        ),
+        (
+            config.eval.eval_only and not config.data.eval_data,
+            "--eval.eval_only evaluates --data.eval_data: give it (name=path pairs or a path)",
+        ),
+        (
+            config.eval.eval_only and bool(config.eval.best_metric),
+            "--eval.best_metric keeps the best policy of a training run; --eval.eval_only "
+            "trains none: drop one of them",
+        ),
         (
             config.algo.advantage.spec.needs_teacher,
             f"--algo.advantage.estimator={config.algo.advantage.estimator} reads a teacher "

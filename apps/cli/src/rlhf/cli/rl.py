@@ -259,7 +259,7 @@ def run_eval_only(config: RLConfig, *, echo: Callable[[str], None] = print) -> d
     data_metrics = check_prompts(list(prompts.items()), config.data, tokenizer, echo=echo)
     executors = Executors(tokenizer=tokenizer, rollout=config.rollout, train=config.train,
                           reward=reward)  # fmt: skip
-    e, run_dir = config.eval, pathlib.Path(config.run_dir)
+    run_dir = pathlib.Path(config.run_dir)
     log = open_sinks(config.train, run_dir=run_dir, run_config=resolved, resume=False)
     engines = []
     try:
@@ -279,15 +279,7 @@ def run_eval_only(config: RLConfig, *, echo: Callable[[str], None] = print) -> d
         executors.generator = EnginePool(
             engines, max_in_flight_per_engine=2 * config.vllm.max_num_seqs
         )
-        result = asyncio.run(
-            evaluate(
-                executors.single_turn(e.temperature),
-                {name: items[: e.max_prompts] for name, items in prompts.items()},
-                n_samples=e.n_samples,
-                solved_threshold=e.solved_threshold,
-                seed=config.train.seed if config.rollout.seed_requests else None,
-            )
-        )
+        result = asyncio.run(evaluate_policy(config, executors, prompts))
         row = {"step": 0, **result, **data_metrics}
         log.write(row)
         echo(summary_line(row))
@@ -296,6 +288,27 @@ def run_eval_only(config: RLConfig, *, echo: Callable[[str], None] = print) -> d
         log.close()
         for engine in engines:
             engine.shutdown()
+
+
+def request_seed_of(config: RLConfig) -> int | None:
+    """The run seed sampling requests derive theirs from (None: unseeded requests)."""
+    return config.train.seed if config.rollout.seed_requests else None
+
+
+async def evaluate_policy(
+    config: RLConfig, executors: Executors, prompts: dict[str, list[Prompt]]
+) -> dict[str, float]:
+    """One evaluation of the engines' weights as ``--eval.*`` sets it (single-turn at
+    ``--eval.temperature``, at most ``--eval.max_prompts`` per source, seeded requests):
+    what a training run logs at its evaluation steps and ``--eval.eval_only`` once."""
+    e = config.eval
+    return await evaluate(
+        executors.single_turn(e.temperature),
+        {name: items[: e.max_prompts] for name, items in prompts.items()},
+        n_samples=e.n_samples,
+        solved_threshold=e.solved_threshold,
+        seed=request_seed_of(config),
+    )
 
 
 @dataclasses.dataclass
@@ -336,7 +349,7 @@ class RLDriver:
     @property
     def request_seed(self) -> int | None:
         """The run seed sampling requests derive theirs from (None: unseeded requests)."""
-        return self.config.train.seed if self.config.rollout.seed_requests else None
+        return request_seed_of(self.config)
 
     def enter(self, phase: str, *, record: bool = True, learning: bool = False) -> None:
         """Hybrid placement: move engines and learners to ``phase`` (`rlhf.learner.hybrid`);
@@ -464,14 +477,7 @@ class RLDriver:
         return bool(every and (step + 1) % every == 0) or step + 1 == self.config.train.num_steps
 
     async def evaluate(self, step: int) -> None:
-        e = self.config.eval
-        result = await evaluate(
-            self.executors.single_turn(e.temperature),
-            {name: items[: e.max_prompts] for name, items in self.eval_prompts.items()},
-            n_samples=e.n_samples,
-            solved_threshold=e.solved_threshold,
-            seed=self.request_seed,
-        )
+        result = await evaluate_policy(self.config, self.executors, self.eval_prompts)
         self.evaluations.append({"step": step, **result})
         self.log.write(self.evaluations[-1])
         self.echo(summary_line(self.evaluations[-1]))

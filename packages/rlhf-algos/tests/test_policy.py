@@ -213,6 +213,25 @@ def test_divergence_gates_mask_by_their_upper_bound(gating, level, high, expecte
     assert metrics["rollout_correction/outside_frac"].item() == pytest.approx(dropped / 3)
 
 
+@pytest.mark.parametrize("gating", ["binary_kl", "tv"])
+def test_a_divergence_gate_keeps_tokens_where_the_policies_agree(gating) -> None:
+    """Learner and sampler agreeing to 1e-6 in log-prob (a synchronous float32 run): every
+    divergence is ~1e-12 or 0, far below the bound, so nothing is masked. (binary_kl's two
+    terms cancel in float32 to a few ulps either side of 0; below the gate's lower bound 0
+    they masked 37 % of these tokens.)"""
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(8, 16, generator=gen) * 3
+    rollout = old + (torch.rand(8, 16, generator=gen) - 0.5) * 2e-6
+    w, metrics = rollout_correction_weights(
+        old_logprobs=old,
+        rollout_logprobs=rollout,
+        action_mask=torch.ones(8, 16),
+        config=RolloutCorrectionConfig(mode="mask", threshold=(0.0, 1e-3), gating=gating),
+    )
+    assert metrics["rollout_correction/outside_frac"].item() == 0.0
+    torch.testing.assert_close(w, torch.exp(old - rollout))
+
+
 def test_the_divergences_match_their_formulas() -> None:
     from rlhf.algos import CORRECTION_DIVERGENCES
 

@@ -238,3 +238,117 @@ def test_token_rewards_reach_the_advantages(tiny) -> None:
     ).advantages
     assert not torch.allclose(exp.advantages, without)
     assert exp.metrics["reward/mean"] == pytest.approx(float(base.rewards.mean()) + 0.5)
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny, tmp_path_factory):
+    """A second tiny model with the student's tokenizer and other weights."""
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("teacher")
+    PreTrainedTokenizerFast.from_pretrained(tiny).save_pretrained(path)
+    torch.manual_seed(1)
+    Qwen2ForCausalLM(Qwen2Config.from_pretrained(tiny)).save_pretrained(path)
+    return path
+
+
+def direct_logprobs(path, batch: Samples) -> torch.Tensor:
+    """log p(x_t | x_<t) of every real token after the first, by a plain transformers
+    forward pass over each row alone (no padding, no learner code)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = torch.zeros_like(batch.rollout_logprobs)
+    for i in range(batch.size):
+        n = int(batch.attention_mask[i].sum())
+        ids = batch.sequences[i, :n]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1)
+        out[i, 1:n] = logp[:-1].gather(1, ids[1:, None])[:, 0]
+    return out
+
+
+DISTILL = AlgoConfig(advantage=AdvantageConfig(estimator="distill"), kl=KLConfig(init_coef=0.0))
+
+
+def test_distill_advantages_are_the_teachers_logprobs_minus_the_samplers(tiny, teacher) -> None:
+    """One teacher scores every row: A_t = log π_T(y_t) − log π_sampler(y_t) on action tokens
+    and 0 elsewhere, and ``distill/reverse_kl`` is the mean of −A_t over action tokens."""
+    base = samples(seed=1)
+    actor, frozen = in_process(learner(tiny)), in_process(learner(teacher, train=False))
+    try:
+        exp = make_experience(
+            base, actor=actor, teachers={"": frozen}, algo=DISTILL, n_samples_per_prompt=N,
+            max_new_tokens=6, kl_coef=0.0, micro=MicroBatching(max_rows=3),
+        )  # fmt: skip
+    finally:
+        actor.close()
+        frozen.close()
+    mask = base.action_mask
+    expected_teacher = direct_logprobs(teacher, base)
+    assert exp.teacher_logprobs is not None
+    torch.testing.assert_close(exp.teacher_logprobs * mask, expected_teacher * mask)
+    gap = (expected_teacher - base.rollout_logprobs) * mask
+    torch.testing.assert_close(exp.advantages, gap)
+    assert exp.metrics["distill/reverse_kl"] == pytest.approx(
+        float(-gap.sum() / mask.sum()), rel=1e-5
+    )
+
+
+def test_teachers_by_data_source_score_their_own_rows(tiny, teacher) -> None:
+    """Two teachers named by data source: rows of source ``a`` take the teacher's log-probs,
+    rows of ``b`` the student's own model's (reverse KL 0 up to the sampler's numbers), each
+    reported per source; a row whose source has no teacher is refused by name."""
+    base = samples(seed=2)
+    sources = ["a"] * N + ["b"] * N
+    frozen_a = in_process(learner(teacher, train=False))
+    frozen_b = in_process(learner(tiny, train=False))
+    actor = in_process(learner(tiny))
+    teachers = {"a": frozen_a, "b": frozen_b}
+    common = {
+        "actor": actor, "algo": DISTILL, "n_samples_per_prompt": N, "max_new_tokens": 6,
+        "kl_coef": 0.0, "compute_old_logprobs": True,
+    }  # fmt: skip
+    try:
+        exp = make_experience(base, teachers=teachers, sources=sources, **common)
+        with pytest.raises(ValueError, match=r"\['c'\] have no teacher"):
+            make_experience(base, teachers=teachers, sources=["a"] * N + ["c"] * N, **common)
+        with pytest.raises(ValueError, match="need each row's source"):
+            make_experience(base, teachers=teachers, **common)
+    finally:
+        for role in (actor, frozen_a, frozen_b):
+            role.close()
+    mask = base.action_mask
+    expected = torch.cat([direct_logprobs(teacher, base)[:N], direct_logprobs(tiny, base)[N:]])
+    assert exp.teacher_logprobs is not None
+    torch.testing.assert_close(exp.teacher_logprobs * mask, expected * mask)
+    # π_old was computed: it is the student's side, and on rows of ``b`` it is the teacher.
+    assert exp.old_logprobs is not None
+    torch.testing.assert_close(exp.advantages, (expected - exp.old_logprobs) * mask)
+    assert exp.metrics["distill/reverse_kl/b"] == pytest.approx(0.0, abs=1e-6)
+    gap_a = ((exp.old_logprobs - expected) * mask)[:N]
+    assert exp.metrics["distill/reverse_kl/a"] == pytest.approx(
+        float(gap_a.sum() / mask[:N].sum()), rel=1e-5
+    )
+    assert abs(exp.metrics["distill/reverse_kl/a"]) > 1e-3
+
+
+def test_vocabulary_mismatch_names_what_differs(tiny, teacher, tmp_path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from rlhf.learner import vocabulary_mismatch
+
+    assert vocabulary_mismatch(str(tiny), str(teacher)) is None
+    tok = PreTrainedTokenizerFast.from_pretrained(tiny)
+    other_eos = tmp_path / "other-eos"
+    tok.eos_token = "<|endoftext|>"
+    tok.save_pretrained(other_eos)
+    message = vocabulary_mismatch(str(tiny), str(other_eos))
+    assert message is not None and "end-of-sequence" in message
+    tok.add_tokens(["<extra>"])
+    other_vocab = tmp_path / "other-vocab"
+    tok.save_pretrained(other_vocab)
+    message = vocabulary_mismatch(str(tiny), str(other_vocab))
+    assert message is not None
+    assert f"{len(tok) - 1} vs {len(tok)} tokens" in message and "'<extra>'" in message
+    assert "teacher's alone" in message

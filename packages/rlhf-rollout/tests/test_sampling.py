@@ -30,16 +30,19 @@ from rlhf.rollout.sampling import (
 class Prompt:
     text: str
     label: Any = None
+    source_name: str = ""
 
 
 class Prompts:
-    """A `PromptSource` over a list, in order, its state the number drawn."""
+    """A `PromptSource` over a list, in order, its state the number drawn; prompt ``t``
+    comes from source ``t.upper()``."""
 
     def __init__(self, texts: Sequence[str]) -> None:
         self.texts, self.drawn = list(texts), 0
 
     def next(self, n: int) -> list[Prompt]:
-        out = [Prompt(self.texts[(self.drawn + i) % len(self.texts)]) for i in range(n)]
+        texts = [self.texts[(self.drawn + i) % len(self.texts)] for i in range(n)]
+        out = [Prompt(t, source_name=t.upper()) for t in texts]
         self.drawn += n
         return out
 
@@ -103,6 +106,7 @@ def test_one_draw_keeps_complete_groups_and_reports_the_step() -> None:
         (1, 1.0), (1, 0.0), (1, 0.0), (1, 0.0)
     ]  # fmt: skip
     assert [t.prompt_index for t in rollout.trajectories] == [0, 0, 2, 2]
+    assert rollout.sources == ["A", "A", "C", "C"]
     m = rollout.metrics
     assert m["rollout/dropped_groups"] == 0.0
     assert m["data/prompts_crc32"] == zlib.crc32(b"a\x00b\x00c")
@@ -126,6 +130,8 @@ def test_dynamic_filtering_draws_again_for_the_dropped_groups() -> None:
     assert [c[0] for c in executor.calls] == [["a", "z", "o"], ["m", "z"], ["a"]]
     assert [c[1] for c in executor.calls] == [request_seed(11, TRAINING, 0, a) for a in range(3)]
     assert [t.score for t in rollout.trajectories] == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    # Each kept sample's source is its own prompt's, across draws.
+    assert rollout.sources == ["A", "A", "M", "M", "A", "A"]
     assert rollout.metrics["rollout/dropped_groups"] == 3.0
     crc = zlib.crc32(b"a\x00z\x00o")
     crc = zlib.crc32(b"m\x00z", crc)

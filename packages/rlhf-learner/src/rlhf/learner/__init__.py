@@ -66,6 +66,7 @@ from rlhf.learner.models import (
     checkpoint_names,
     fingerprint,
     load_model,
+    vocabulary_mismatch,
 )
 from rlhf.learner.objectives import (
     CriticObjective,
@@ -84,6 +85,7 @@ from rlhf.learner.phases import (
     ppo_update,
     sequence_scores_of,
     shape_rewards,
+    teacher_logprobs,
     token_values_of,
 )
 from rlhf.learner.prompts import (
@@ -97,6 +99,7 @@ from rlhf.learner.prompts import (
     load_prompts,
     lossy_prompts,
     prompt_sources,
+    source_names,
 )
 from rlhf.learner.role import InProcessRole, MicroBatching, Role
 from rlhf.learner.weights import RankSenders, SentWeights, send_weights, stream_weights
@@ -199,12 +202,15 @@ __all__ = [
     "sft_row",
     "shape_rewards",
     "shard",
+    "source_names",
     "staging_dir",
     "stream_weights",
+    "teacher_logprobs",
     "token_logprobs",
     "token_values",
     "token_values_of",
     "verify_checkpoint",
     "view",
+    "vocabulary_mismatch",
     "write_hf_export",
 ]

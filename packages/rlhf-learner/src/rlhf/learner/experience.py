@@ -177,7 +177,9 @@ class Experience:
         returns: (B, L) float value targets, 0 off the action mask.
         truncated: (B,) bool, the sample hit the generation budget.
         metrics: Scalar metrics of the phase (``reward/*``, ``rollout/*``, ``advantages/*``,
-            ``kl/mean``, ``check/*``).
+            ``kl/mean``, ``check/*``, ``distill/*``).
+        teacher_logprobs: (B, L) float log π_T of each sample's teacher (on-policy
+            distillation); None without teachers.
     """
 
     sequences: Tensor
@@ -194,6 +196,7 @@ class Experience:
     returns: Tensor
     truncated: Tensor
     metrics: Mapping[str, float] = field(default_factory=dict)
+    teacher_logprobs: Tensor | None = None
 
     @property
     def size(self) -> int:

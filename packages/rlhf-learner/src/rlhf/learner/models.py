@@ -61,6 +61,31 @@ def check_model_dir(path: str) -> pathlib.Path:
     return root
 
 
+def vocabulary_mismatch(student: str, teacher: str) -> str | None:
+    """Why a teacher's log-probs cannot be compared with a student's token by token, or None
+    when they can: their tokenizers must map the same strings to the same ids and agree on
+    the end-of-sequence token. The models' ``vocab_size`` (embedding rows) may differ: models
+    of one family pad their embeddings to different sizes around one tokenizer."""
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(student)
+    theirs = AutoTokenizer.from_pretrained(teacher)
+    a, b = ours.get_vocab(), theirs.get_vocab()
+    if a != b:
+        only = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: (kv[1], kv[0]))
+        token, index = only[0]
+        side = "student" if (token, index) in a.items() else "teacher"
+        return (
+            f"the tokenizers differ ({len(a)} vs {len(b)} tokens; e.g. {token!r} is id {index} "
+            f"in the {side}'s alone)"
+        )
+    if ours.eos_token_id != theirs.eos_token_id:
+        return (
+            f"the end-of-sequence tokens differ (id {ours.eos_token_id} vs {theirs.eos_token_id})"
+        )
+    return None
+
+
 def load_model(config: ModelConfig) -> torch.nn.Module:
     """The role's model in train mode (call ``.eval()`` for eval-only roles)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification

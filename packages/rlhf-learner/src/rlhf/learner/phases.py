@@ -4,7 +4,8 @@ as Ray rank groups (`LearnerGroup`).
 
 - `make_experience`: samples → reward-model scores (if any) → reward shaping (DAPO's overlong
   penalty, the stop-properly penalty, overlong filtering) → forward passes of the actor (π_old,
-  when more than one optimizer step follows), the reference (π_ref, KL) and the critic
+  when more than one optimizer step follows), the reference (π_ref, KL), the teachers
+  (π_T, on-policy distillation; one per data source, `teacher_logprobs`) and the critic
   (values) → advantages and returns (`rlhf.algos.compute_advantages`).
 - `ppo_update`: ``ppo_epochs`` passes over the experience in mini-batches of
   ``train_batch_size`` samples, one optimizer step of the actor (and the critic) per
@@ -16,6 +17,7 @@ update and passes the next ``kl_coef`` in.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +87,48 @@ def per_sequence(role: Role, batch: Batch, fn: ForwardFn[Tensor], micro: MicroBa
     return out
 
 
+def teacher_logprobs(
+    teachers: Mapping[str, Role],
+    batch: Batch,
+    *,
+    sources: Sequence[str] | None = None,
+    fn: ForwardFn[Tensor],
+    micro: MicroBatching = WHOLE_ROWS,
+) -> Tensor:
+    """Each row's teacher's log-probs of its tokens, (B, L) float32 like `per_token`.
+
+    One teacher under the name ``""`` scores every row. Otherwise the teachers are named by
+    data source and row ``i`` goes to ``teachers[sources[i]]`` (several teachers, one per
+    source: multi-teacher distillation); each teacher runs one forward pass over its rows.
+
+    Raises:
+        ValueError: named teachers without ``sources`` (one per row), or a row whose source
+            has no teacher (naming the source and the teachers there are).
+    """
+    if set(teachers) == {""}:
+        return per_token(teachers[""], batch, fn, micro)
+    if sources is None or len(sources) != batch.size:
+        got = "none" if sources is None else len(sources)
+        raise ValueError(
+            f"teachers by data source ({sorted(teachers)}) need each row's source: "
+            f"{batch.size} rows, {got} sources"
+        )
+    missing = sorted(set(sources) - set(teachers))
+    if missing:
+        raise ValueError(
+            f"rows from data source(s) {missing} have no teacher; the teachers are for "
+            f"{sorted(teachers)}"
+        )
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    for name, teacher in teachers.items():
+        rows = [i for i, s in enumerate(sources) if s == name]
+        if not rows:
+            continue
+        part = per_token(teacher, batch.select(rows), fn, micro)
+        out[torch.as_tensor(rows), : part.shape[1]] = part
+    return out
+
+
 def shape_rewards(
     rewards: Tensor,
     *,
@@ -123,6 +167,8 @@ def make_experience(
     reference: Role | None = None,
     critic: Role | None = None,
     reward_model: Role | None = None,
+    teachers: Mapping[str, Role] | None = None,
+    sources: Sequence[str] | None = None,
     temperature: float = 1.0,
     compute_old_logprobs: bool = False,
     check_reference: bool = False,
@@ -143,6 +189,12 @@ def make_experience(
         critic: Value model for GAE; None for critic-free estimators.
         reward_model: Scores prompt + response at the last token; its scores replace
             ``samples.rewards``.
+        teachers: Frozen teachers for on-policy distillation (estimators whose token step
+            reads ``teacher_logprobs``): one under ``""`` for every row, or one per data
+            source (`teacher_logprobs`). The student's side of the reverse KL is π_old when
+            computed, else the sampler's log-probs.
+        sources: Each sample's data source (`rlhf.rollout.Rollout.sources`), for teachers
+            by source.
         temperature: The rollout's sampling temperature (log-probs are taken at it).
         compute_old_logprobs: Compute π_old with the actor (needed when more than one
             optimizer step follows a rollout, or the samples came from older weights).
@@ -153,8 +205,9 @@ def make_experience(
     Returns:
         The experience; ``metrics`` hold ``reward/mean``, ``reward/std``,
         ``reward/shaped_mean``, ``rollout/response_length_mean``, ``rollout/samples``,
-        ``rollout/truncated_frac``, the estimator's metrics and, with a reference,
-        ``kl/mean``.
+        ``rollout/truncated_frac``, the estimator's metrics, with a reference ``kl/mean``,
+        and with teachers by source ``distill/reverse_kl/<source>`` (the mean over that
+        source's action tokens).
     """
     batch = samples.batch()
     if reward_model is not None:
@@ -187,6 +240,16 @@ def make_experience(
             estimator=algo.kl.estimator,
         )
     values = per_token(critic, batch, token_values_of, micro) if critic is not None else None
+    student = old if old is not None else samples.rollout_logprobs
+    teacher = None
+    if teachers:
+        teacher = teacher_logprobs(teachers, batch, sources=sources, fn=logprobs, micro=micro)
+        if set(teachers) != {""}:
+            assert sources is not None  # teacher_logprobs checked them
+            gap = student - teacher
+            for name in sorted(set(sources)):
+                rows = torch.as_tensor([i for i, s in enumerate(sources) if s == name])
+                metrics[f"distill/reverse_kl/{name}"] = masked_mean(gap[rows], mask[rows])
     adv = compute_advantages(
         config=algo.advantage,
         rewards=shaped,
@@ -196,6 +259,8 @@ def make_experience(
         kl=None if algo.kl.use_loss else kl,
         kl_coef=0.0 if algo.kl.use_loss else kl_coef,
         token_rewards=samples.token_rewards,
+        logprobs=student,
+        teacher_logprobs=teacher,
     )
     episode = rewards if samples.token_rewards is None else rewards + samples.token_rewards.sum(1)
     metrics.update(
@@ -226,6 +291,7 @@ def make_experience(
         returns=adv.returns,
         truncated=samples.truncated,
         metrics=metrics,
+        teacher_logprobs=teacher,
     )
 
 

@@ -77,13 +77,17 @@ class PromptTokenizer(Protocol):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: the text the policy sees (templated) and its label; ``numeric_input``: the
-    row held a number where the prompt text goes (used as its decimal text)."""
+    """One prompt: the text the policy sees (templated) and its label; ``source``: the file
+    it was read from (what errors name); ``numeric_input``: the row held a number where the
+    prompt text goes (used as its decimal text); ``source_name``: its data source's name
+    (``name=path``, else the file's stem), by which a run reports and routes prompts (a
+    teacher per data source)."""
 
     text: str
     label: Any
     source: str
     numeric_input: bool = False
+    source_name: str = ""
 
 
 def render(
@@ -92,6 +96,8 @@ def render(
     source: str,
     config: DataConfig,
     tokenizer: PromptTokenizer | None,
+    *,
+    source_name: str = "",
 ) -> Prompt:
     """Template one row into a `Prompt`; a missing field names the row, source and flag."""
     for key, flag in (
@@ -137,7 +143,9 @@ def render(
                 " it takes the prompt as one positional '{}', e.g. 'Q: {}\\nA:'"
             ) from None
     numeric = messages is None and not isinstance(value, str)
-    return Prompt(text, row[config.label_key], source, numeric_input=numeric)
+    return Prompt(
+        text, row[config.label_key], source, numeric_input=numeric, source_name=source_name
+    )
 
 
 def _chat_messages(value: object) -> list[dict[str, str]] | None:
@@ -158,12 +166,10 @@ def _chat_messages(value: object) -> list[dict[str, str]] | None:
 def load_prompts(
     spec: str, config: DataConfig, tokenizer: PromptTokenizer | None
 ) -> dict[str, list[Prompt]]:
-    """``spec``: comma-separated sources, each ``path`` or ``name=path``; prompts per name."""
+    """``spec``: comma-separated sources, each ``path`` or ``name=path``; prompts per name
+    (`source_names`)."""
     out: dict[str, list[Prompt]] = {}
-    for item in [s for s in spec.split(",") if s.strip()]:
-        name, _, path = item.rpartition("=")
-        path = path.strip()
-        name = name.strip() or pathlib.Path(path).stem
+    for name, path in source_names(spec):
         if name in out:
             raise DataSourceError(
                 f"data sources {out[name][0].source!r} and {path!r} are both named {name!r}: "
@@ -172,7 +178,21 @@ def load_prompts(
         rows = read_rows(path)[: config.max_samples]
         if not rows:
             raise DataSourceError(f"data source {path!r} has no rows")
-        out[name] = [render(r, i, path, config, tokenizer) for i, r in enumerate(rows)]
+        out[name] = [
+            render(r, i, path, config, tokenizer, source_name=name) for i, r in enumerate(rows)
+        ]
+    return out
+
+
+def source_names(spec: str) -> list[tuple[str, str]]:
+    """(name, path) of each comma-separated source of ``spec`` (``path`` or ``name=path``,
+    split on the last ``=``; an unnamed source is named by its file's stem), in order;
+    nothing is read."""
+    out = []
+    for item in [s for s in spec.split(",") if s.strip()]:
+        name, _, path = item.rpartition("=")
+        path = path.strip()
+        out.append((name.strip() or pathlib.Path(path).stem, path))
     return out
 
 

@@ -34,13 +34,17 @@ GroupFilter = Callable[[Sequence[Sequence[float]]], Sequence[bool]]
 
 
 class Prompt(Protocol):
-    """A prompt as a `PromptSource` draws it: the text the policy sees and its label."""
+    """A prompt as a `PromptSource` draws it: the text the policy sees, its label and the
+    name of the data source it came from (empty: unnamed)."""
 
     @property
     def text(self) -> str: ...
 
     @property
     def label(self) -> object: ...
+
+    @property
+    def source_name(self) -> str: ...
 
 
 class PromptSource(Protocol):
@@ -124,7 +128,8 @@ async def sample_step(
         groups in draw order; metrics ``rollout/dropped_groups``, ``data/prompts_crc32`` (of
         the prompt texts drawn), ``rollout/samples_crc32`` (`samples_digest`),
         ``time/generation_s`` and the first draw's truncation, reward and environment
-        metrics; ``sampler_state``: ``prompts.state_dict()`` after the draws.
+        metrics; ``sampler_state``: ``prompts.state_dict()`` after the draws; ``sources``:
+        each trajectory's ``Prompt.source_name``.
 
     Raises:
         EmptyStepError: No sample is left (`empty_step_message` says why).
@@ -132,6 +137,7 @@ async def sample_step(
     n = n_samples_per_prompt
     tick = time.perf_counter()
     trajectories: list[Trajectory] = []
+    sources: list[str] = []
     first_metrics: Mapping[str, float] = {}
     dropped_groups = incomplete = 0
     lost: dict[str, float] = {}
@@ -160,7 +166,9 @@ async def sample_step(
             dropped_groups += len(groups) - sum(keep)
             groups = [g for g, k in zip(groups, keep, strict=True) if k]
         trajectories += [tr for g in groups for tr in g]
+        sources += [drawn[tr.prompt_index].source_name for g in groups for tr in g]
     trajectories = trajectories[: batch_size * n]
+    sources = sources[: batch_size * n]
     if not trajectories:
         raise EmptyStepError(
             empty_step_message(
@@ -176,7 +184,11 @@ async def sample_step(
         "time/generation_s": time.perf_counter() - tick,
     }
     return Rollout(
-        step=step, trajectories=trajectories, metrics=metrics, sampler_state=prompts.state_dict()
+        step=step,
+        trajectories=trajectories,
+        metrics=metrics,
+        sampler_state=prompts.state_dict(),
+        sources=sources,
     )
 
 

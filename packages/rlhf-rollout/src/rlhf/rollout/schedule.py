@@ -44,12 +44,16 @@ class Rollout:
             ``time/generation_s``).
         sampler_state: The prompt sampler's state right after this batch's prompts were
             drawn: a resumed run draws on from the newest batch it restored.
+        sources: The data source of each trajectory's prompt (`Prompt.source_name`), in
+            trajectory order: what routes a sample to its teacher when several teachers
+            distil by data source (empty in a rollout made without them).
     """
 
     step: int
     trajectories: list[Trajectory]
     metrics: dict[str, float]
     sampler_state: dict[str, object]
+    sources: list[str] = dataclasses.field(default_factory=list)
 
     def to_state(self) -> dict[str, object]:
         """Plain JSON-able data (for checkpoints)."""
@@ -58,6 +62,7 @@ class Rollout:
             "trajectories": [dataclasses.asdict(t) for t in self.trajectories],
             "metrics": dict(self.metrics),
             "sampler_state": dict(self.sampler_state),
+            "sources": list(self.sources),
         }
 
     @classmethod
@@ -74,6 +79,7 @@ class Rollout:
             trajectories=trajectories,
             metrics=dict(state["metrics"]),
             sampler_state=dict(state["sampler_state"]),
+            sources=[str(s) for s in state.get("sources", [])],
         )
 
 

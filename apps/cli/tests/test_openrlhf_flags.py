@@ -201,6 +201,29 @@ def test_each_alias_parses_to_the_fields_it_claims(entry_point: str, row: openrl
             {"actor.deepspeed.zero_stage": 3, "train.deepspeed_enable_sleep": True},
         ),
         (["--train.num_episodes", "2"], {"train.num_episodes": 2}),
+        (
+            [
+                "--actor.optim",
+                "muon",
+                "--actor.muon.lr",
+                "0.01",
+                "--actor.muon.momentum",
+                "0.9",
+                "--actor.muon.ns_steps",
+                "5",
+                "--actor.muon.nesterov",
+                "--actor.adam.lr",
+                "3e-4",
+            ],
+            {
+                "actor.optimizer.name": "muon",
+                "actor.optimizer.muon_lr": 0.01,
+                "actor.optimizer.muon_momentum": 0.9,
+                "actor.optimizer.lr": 3e-4,
+                "critic.optimizer.name": "adamw",
+            },
+        ),
+        (["--critic.optim", "adam"], {"critic.optimizer.name": "adamw"}),
     ],
 )
 def test_translated_values_reach_our_fields(flags: list[str], expected: dict[str, Any]) -> None:
@@ -296,8 +319,9 @@ def test_a_flag_without_effect_says_so(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--actor.optim", "muon"], "issue 44"),
-        (["--actor.muon.lr", "0.02"], "Muon"),
+        (["--actor.optim", "lion"], "adam, muon"),
+        (["--actor.muon.ns_steps", "3"], "5 Newton-Schulz steps"),
+        (["--actor.muon.no_nesterov"], "Nesterov"),
         (["--data.image_key", "images"], "issue 45"),
         (["--ds.param_dtype", "fp16"], "accepted here: bf16"),
         (["--algo.advantage.is_correction_gating", "kl"], "binary_kl"),
@@ -337,6 +361,8 @@ BOOLEAN_CONTEXT = {
     "critic.deepspeed.deepcompile": ["--critic.deepspeed.bf16", "True"],
     "actor.model.load_in_4bit": ["--actor.model.lora_rank", "4"],
     "critic.model.load_in_4bit": ["--critic.model.lora_rank", "4"],
+    "teacher.deepspeed.offload_params": ["--teacher.deepspeed.zero_stage", "3"],
+    "teacher.deepspeed.deepcompile": ["--teacher.deepspeed.bf16", "True"],
 }
 """Flags a boolean needs beside it to pass validation when it is True."""
 
@@ -445,7 +471,7 @@ def test_help_lists_each_openrlhf_flag_with_what_it_is(capsys: pytest.CaptureFix
         "  --ds.adam_offload  --actor.deepspeed.offload_optimizer, --critic.deepspeed.offload_optimizer\n"
         in out
     )
-    assert "  --actor.muon.lr  refused: Muon is not built yet" in out
+    assert "  --actor.muon.lr  --actor.optimizer.muon_lr\n" in out
     with pytest.raises(SystemExit):
         main(["train", "dpo", "--help-all"])
     assert "  --model.beta  --beta\n" in capsys.readouterr().out

@@ -194,22 +194,100 @@ def test_critic_step_is_exact_across_the_split(group, tiny, packing, tmp_path) -
     assert out["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
 
 
-def test_save_load_resumes_the_next_step_exactly(group, tiny, tokenizer, tmp_path) -> None:
+def muon(path, *, stage_lr: float = 1e-3) -> LearnerConfig:
+    """The tiny model trained with Muon (its AdamW half at ``stage_lr``), no clipping."""
+    return dataclasses.replace(
+        config(path, lr=stage_lr),
+        optimizer=OptimizerConfig(
+            lr=stage_lr, grad_clip=0.0, betas=(0.9, 0.95), name="muon", muon_lr=0.02,
+            muon_momentum=0.9, schedule="constant",
+        ),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_save_load_resumes_the_next_step_exactly(
+    group, tiny, tokenizer, tmp_path, optimizer
+) -> None:
+    """A checkpoint after step 1 resumes steps 2 and 3 as the run that went on did: the
+    losses and the weights bit for bit (Muon's momentum buffers travel with it)."""
+    cfg = config(tiny) if optimizer == "adamw" else muon(tiny)
     batch = sft_batch(tokenizer)
     objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
-    group.build(config(tiny), backend=zero(2))
+    group.build(cfg, backend=zero(2))
     group.train_step(batch, objective, max_rows=3)
     path = group.save(str(tmp_path), 1, client_state={"step": 1, "data_position": 6}, keep=2)
     uninterrupted = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
-    group.build(config(tiny), backend=zero(2))  # a new run from the initial weights
+    went_on = full_state(group)
+    group.build(cfg, backend=zero(2))  # a new run from the initial weights
     fresh = group.train_step(batch, objective, max_rows=3)
     assert fresh["loss"] != pytest.approx(uninterrupted[0]["loss"])
-    group.build(config(tiny), backend=zero(2))
+    group.build(cfg, backend=zero(2))
     assert group.load(path) == {"step": 1, "data_position": 6}
     resumed = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
     for a, b in zip(resumed, uninterrupted, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
+    after = full_state(group)
+    assert all(torch.equal(after[k], went_on[k]) for k in went_on)
+
+
+def newton_schulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Muon's orthogonalisation, written from its definition in float64: X = G / ‖G‖_F
+    (transposed to the wide side), then ``steps`` times X ← aX + (bA + cA²)X with A = XXᵀ and
+    (a, b, c) = (3.4445, −4.7750, 2.0315)."""
+    x = g.double()
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return (x.T if tall else x).float()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_orthogonalises_the_matrices_and_steps_the_rest_by_adamw(
+    group, tiny, tokenizer, stage
+) -> None:
+    """One Muon step over 2 ranks against the math on one process's gradient g: each hidden
+    matrix moves by −muon_lr · sqrt(max(1, rows/cols)) · NS₅(g) (the first step's Nesterov
+    momentum is (1 − β²)·g, which NS's normalisation removes); the embeddings and the norms
+    move by AdamW's first step −lr · g / (|g| + eps). DeepSpeed iterates NS in float16 where
+    the device has it (`ns_compute_dtype`, CPUs too): its elements, O(0.1), agree with the
+    float64 iteration to 3e-2 and the whole matrix to a cosine of 0.999 (AdamW's sign-like
+    step, or plain SGD on g, is nowhere near either)."""
+    model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    loss, _ = objective(model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = muon(tiny)
+    group.build(cfg, backend=zero(stage))
+    group.train_step(batch, objective, max_rows=2)
+    after = full_state(group)
+    opt = cfg.optimizer
+    assert opt is not None
+    matrices = [n for n, p in before.items() if p.dim() == 2 and "embed" not in n]
+    assert len(matrices) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    for name in matrices:
+        rows, cols = before[name].shape
+        step = (after[name] - before[name]) / -opt.muon_lr
+        expected = newton_schulz5(grads[name]) * max(1.0, rows / cols) ** 0.5
+        torch.testing.assert_close(step, expected, rtol=0, atol=3e-2, msg=name)
+        cosine = torch.nn.functional.cosine_similarity(step.flatten(), expected.flatten(), dim=0)
+        assert float(cosine) > 0.999, (name, float(cosine))
+        assert float(step.norm() / expected.norm()) == pytest.approx(1.0, abs=5e-3), name
+    others = [n for n in before if n not in matrices]
+    assert "model.embed_tokens.weight" in others and "model.norm.weight" in others
+    for name in others:
+        g = grads[name]
+        clear = g.abs() >= GRAD_FLOOR
+        adamw = -opt.lr * g / (g.abs() + opt.eps)
+        moved = after[name] - before[name]
+        torch.testing.assert_close(moved[clear], adamw[clear], rtol=1e-4, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

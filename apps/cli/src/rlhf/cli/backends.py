@@ -87,6 +87,7 @@ class RoleBackend:
             gpus_per_rank=r.num_gpus_per_rank,
             ring_attn_size=r.ring_attn_size,
             context_parallel=r.context_parallel,
+            optimizer=r.optimizer,
         )
         return self.entry.problems(self.options, topology, flag=flag)
 

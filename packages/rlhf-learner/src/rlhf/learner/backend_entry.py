@@ -16,7 +16,7 @@ from typing import Protocol, TypeVar
 
 from rlhf.learner.backend import BackendFactory
 from rlhf.learner.capacity import LearnerLoad, Memory
-from rlhf.learner.config import ModelConfig
+from rlhf.learner.config import ModelConfig, OptimizerConfig
 
 Options = TypeVar("Options", contravariant=True)
 """A backend's own options (`DeepSpeedConfig`, molt's `FSDPConfig`)."""
@@ -34,6 +34,7 @@ class RoleTopology:
             1: unset), beside the backend's.
         context_parallel: The context-parallel size the role runs with (the larger of the
             two flags).
+        optimizer: Its optimizer (None: eval-only).
     """
 
     model: ModelConfig
@@ -41,6 +42,7 @@ class RoleTopology:
     gpus_per_rank: float = 0.0
     ring_attn_size: int = 1
     context_parallel: int = 1
+    optimizer: OptimizerConfig | None = None
 
 
 class BackendEntry(Protocol[Options]):

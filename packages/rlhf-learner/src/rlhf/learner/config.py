@@ -88,12 +88,17 @@ class ModelConfig:
             raise ValueError("model.chunked_lm_head applies to causal_lm roles only")
 
 
+OPTIMIZERS = ("adamw", "muon")
+"""`OptimizerConfig.name` values."""
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with warmup and cosine/linear/constant decay to a floor.
+    """AdamW (or Muon with AdamW beside it) with warmup and cosine/linear/constant decay to a
+    floor.
 
     Attributes:
-        lr: Peak learning rate.
+        lr: Peak learning rate (of AdamW; under Muon, of its AdamW half).
         min_lr_ratio: Floor of the schedule as a fraction of ``lr``.
         warmup_steps: Linear warmup from 0 over this many optimizer steps.
         warmup_ratio: Warmup as a fraction of ``total_steps`` (OpenRLHF's
@@ -108,6 +113,13 @@ class OptimizerConfig:
         ema_decay: Keep an exponential moving average of the trainable weights, updated after
             every optimizer step as ``ema ← d·ema + (1 − d)·w``; None disables. Checkpoints
             carry it and ``export_hf(..., ema=True)`` writes it.
+        name: ``adamw``, or ``muon``: the hidden weight matrices step by Muon (Nesterov
+            momentum ``muon_momentum``, orthogonalised by 5 Newton–Schulz iterations, scaled by
+            sqrt(max(1, rows/cols)), at ``muon_lr``) and every other parameter (embeddings,
+            lm_head, norms, biases) by AdamW at ``lr`` (OpenRLHF's ``--actor.optim muon``).
+            DeepSpeed's built-in Muon runs it (ZeRO 1–3); both halves follow the schedule.
+        muon_lr: Peak learning rate of the Muon half (OpenRLHF's ``--actor.muon.lr``).
+        muon_momentum: Muon's momentum β (``--actor.muon.momentum``).
     """
 
     lr: float = 1e-6
@@ -121,8 +133,20 @@ class OptimizerConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     ema_decay: float | None = None
+    name: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
 
     def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}"
+            )
+        if not self.muon_lr > 0 or not 0 <= self.muon_momentum < 1:
+            raise ValueError(
+                f"optimizer.muon_lr must be > 0 and optimizer.muon_momentum in [0, 1), got "
+                f"{self.muon_lr} and {self.muon_momentum}"
+            )
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"optimizer.ema_decay must be in (0, 1), got {self.ema_decay}")
         if not self.lr > 0:

@@ -80,9 +80,44 @@ class DeepSpeedEntry:
                 f"the role's {role.num_ranks} ranks (ZeRO++ partitions the parameters within "
                 "groups of that many ranks)"
             )
+        if role.optimizer is not None and role.optimizer.name == "muon":
+            problems += _muon_problems(ds, grad_clip=role.optimizer.grad_clip, flag=flag)
         if ds.deepcompile and not role.gpus_per_rank:
             problems.append(
                 f"--{flag}.deepspeed.deepcompile needs GPUs (--{flag}.num_gpus_per_rank > 0): "
                 "DeepSpeed runs DeepCompile on CUDA only; set it to False on CPUs"
             )
         return problems
+
+
+def _muon_problems(ds: DeepSpeedConfig, *, grad_clip: float, flag: str) -> list[str]:
+    """What DeepSpeed's Muon does not run with: ZeRO-0 (its Muon is built into the ZeRO
+    optimizers' gradient partitioning), AutoTP (each rank holds a slice of a matrix),
+    DeepCompile (which replaces those optimizers' gradient path), and a gradient clip (DeepSpeed
+    0.19.8 measures the norm after the Newton-Schulz step, over the orthogonalised updates)."""
+    problems = []
+    if grad_clip > 0:
+        problems.append(
+            f"--{flag}.optimizer.name muon with --{flag}.optimizer.grad_clip {grad_clip} "
+            "(OpenRLHF's --actor.max_norm): DeepSpeed's Muon clips after its Newton-Schulz "
+            "step, so the bound would measure the orthogonalised updates (about "
+            "sqrt(sum of min(rows, cols)) over the matrices) and shrink every step; set "
+            f"--{flag}.optimizer.grad_clip 0 with Muon"
+        )
+    if ds.zero_stage == 0:
+        problems.append(
+            f"--{flag}.optimizer.name muon needs --{flag}.deepspeed.zero_stage 1, 2 or 3: "
+            "DeepSpeed orthogonalises Muon's matrices inside its ZeRO optimizers"
+        )
+    if ds.tp_size > 1:
+        problems.append(
+            f"--{flag}.optimizer.name muon with --{flag}.deepspeed.tp_size {ds.tp_size}: each "
+            "rank holds a slice of every matrix and Muon orthogonalises whole ones; use "
+            "tp_size 1"
+        )
+    if ds.deepcompile:
+        problems.append(
+            f"--{flag}.optimizer.name muon with --{flag}.deepspeed.deepcompile: not combined; "
+            "set one of them"
+        )
+    return problems

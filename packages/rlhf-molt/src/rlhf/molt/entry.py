@@ -77,6 +77,12 @@ class MoltEntry:
                 "LoRA adapters are not split over tensor-parallel ranks yet; use tp_size 1 "
                 "for LoRA"
             )
+        if role.optimizer is not None and role.optimizer.name == "muon":
+            problems.append(
+                f"--{flag}.optimizer.name muon: FSDP2 shards every weight matrix across the "
+                "ranks and Muon orthogonalises whole matrices, which the molt backend does not "
+                f"gather yet; train with --{flag}.backend deepspeed (ZeRO 1-3) for Muon"
+            )
         if role.model.chunked_lm_head and options.tp_size > 1:
             problems.append(
                 f"--{flag}.model.chunked_lm_head with --{flag}.fsdp.tp_size "

@@ -124,7 +124,13 @@ def pair_from_one_or_two(values: list[str]) -> list[str]:
 DTYPE_BF16 = {"bf16": "True"}
 
 
-MUON = Refused("Muon is not built yet (issue 44 builds --actor.optim muon); use AdamW")
+MUON_NESTEROV = (
+    "Muon's momentum is Nesterov's here (DeepSpeed's built-in Muon, as in OpenRLHF, where "
+    "the flag is a placeholder too)"
+)
+MUON_NS_STEPS = (
+    "DeepSpeed's Muon runs 5 Newton-Schulz steps (OpenRLHF's flag is a placeholder there too)"
+)
 
 
 IMAGES = Refused(

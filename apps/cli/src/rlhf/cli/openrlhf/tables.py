@@ -11,7 +11,8 @@ from rlhf.cli.openrlhf.entries import (
     HEAD_STRIDE,
     IMAGES,
     MOE,
-    MUON,
+    MUON_NESTEROV,
+    MUON_NS_STEPS,
     NORMALIZE,
     SCHEDULES,
     SCORERS,
@@ -114,12 +115,16 @@ def _common_rows(
 
 def _optimizer_rows(prefix: str, target: str, *, lr_default: str = "") -> list[Row]:
     """OpenRLHF's optimizer flags under ``prefix`` (``actor.``, ``critic.`` or nothing) onto
-    the `OptimizerConfig` at ``target``; Muon's are refused until issue 44 builds it."""
+    the `OptimizerConfig` at ``target``: AdamW's, and Muon's (``--actor.optim muon``; its
+    AdamW half takes the ``adam.*`` flags, as in OpenRLHF)."""
     rows = [
-        Row(f"{prefix}optim", "one", only(f"{prefix}optim", "adam", MUON.message)),
-        *(Row(f"{prefix}muon.{name}", "one", MUON) for name in ("lr", "momentum", "ns_steps")),
-        Row(f"{prefix}muon.nesterov", "switch", MUON),
-        Row(f"{prefix}muon.no_nesterov", "switch", MUON),
+        Row(f"{prefix}optim", "one",
+            alias(f"{target}.name", values={"adam": "adamw", "muon": "muon"})),
+        Row(f"{prefix}muon.lr", "one", alias(f"{target}.muon_lr")),
+        Row(f"{prefix}muon.momentum", "one", alias(f"{target}.muon_momentum")),
+        Row(f"{prefix}muon.ns_steps", "one", only(f"{prefix}muon.ns_steps", "5", MUON_NS_STEPS)),
+        Row(f"{prefix}muon.nesterov", "switch", Notice(MUON_NESTEROV)),
+        Row(f"{prefix}muon.no_nesterov", "switch", off(f"{prefix}muon.no_nesterov", MUON_NESTEROV)),
         Row(f"{prefix}adam.lr", "one", alias(f"{target}.lr", default=lr_default)),
         Row(f"{prefix}adam.betas", "two", alias(f"{target}.betas")),
         Row(f"{prefix}adam.eps", "one", alias(f"{target}.eps")),

@@ -81,8 +81,23 @@ def _train_args(assets, run_dir, steps: int = 2) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def teacher(assets, tmp_path_factory):
+    """The demo's initial model with its (tied) embeddings tripled: the student's tokenizer,
+    another distribution (a teacher far from the student)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("teacher")
+    model = AutoModelForCausalLM.from_pretrained(assets["model"])
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(3.0)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(assets["model"]).save_pretrained(path)
+    return path
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
+def test_every_preset_trains_two_steps(assets, tmp_path, preset, teacher) -> None:
     extra = {
         # DAPO with its overlong filtering and a sequence-level rollout correction.
         # Its reward (`REFILL_REWARD`) makes every group of a step's first draw uniform, so
@@ -95,7 +110,11 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
         ],
         # The other policy losses, on presets that would otherwise repeat the PPO loss.
         "reinforce_baseline": ["--algo.policy_loss.name", "gspo"],
-        "rloo": ["--algo.policy_loss.name", "cispo"],
+        # RLOO also trains with Muon (DeepSpeed's, ZeRO-2): its half's lr leads the groups.
+        "rloo": [
+            "--algo.policy_loss.name", "cispo",
+            "--actor.optimizer.name", "muon", "--actor.optimizer.grad_clip", "0",
+        ],
         # PPO runs padding-free: actor, reference and critic forwards on packed rows.
         "ppo": ["--actor.model.packing_samples", "True", "--critic.model.packing_samples", "True"],
         # GRPO's actor and reference take their log-probs through the chunked lm_head; the
@@ -104,8 +123,14 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
             "--actor.model.chunked_lm_head", "True",
             "--eval.best_metric", "eval/sort4/pass@1", "--actor.optimizer.ema_decay", "0.9",
         ],
+        # On-policy distillation with a teacher per data source: the same prompts under two
+        # names, source a distilled from `teacher`, source b from the student's own start.
+        "distill": ["--teacher.model.path", f"a={teacher},b={assets['model']}"],
     }.get(preset, [])  # fmt: skip
-    out = rlhf("train", preset, *_train_args(assets, tmp_path), *extra)
+    args = _train_args(assets, tmp_path)
+    if preset == "distill":
+        args[args.index("--data.prompt_data") + 1] = f"a={assets['train']},b={assets['train']}"
+    out = rlhf("train", preset, *args, *extra)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "[plan] prompts/step 4, samples/step 16" in out.stdout
     assert ("padding-free (packed)" in out.stdout) == (preset == "ppo")
@@ -122,6 +147,13 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
         assert r["actor/rollout_logprob_diff_max"] < 1e-2
     if preset == "ppo":
         assert all(r["critic/value_loss"] >= 0 and r["critic/grad_norm"] > 0 for r in steps)
+    if preset == "distill":
+        _check_distill(out.stdout, steps)
+    if preset == "rloo":
+        # Muon's half at its default peak lr 0.02, AdamW's at --actor.optimizer.lr 1e-3: one
+        # schedule scales both, so their ratio stays 20.
+        for r in steps:
+            assert r["actor/lr"] / r["actor/lr_adamw"] == pytest.approx(0.02 / 1e-3, rel=1e-9)
     # GSPO's sequence-level ratio is its own metric; no other loss reports it.
     assert all(("actor/seq_ratio_mean" in r) == (preset == "reinforce_baseline") for r in steps)
     if preset == "dapo":
@@ -145,6 +177,21 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset) -> None:
     if preset == "grpo":
         _check_best_and_ema(assets["model"], tmp_path, evals)
         _check_eval_only(assets, tmp_path, evals[-1])
+
+
+def _check_distill(stdout: str, steps: list[dict]) -> None:
+    """Each source's samples were scored by its own teacher: at step 1 the student is
+    source b's teacher, so b's reverse KL is a mean of sampler-vs-learner differences, each
+    at most ``actor/rollout_logprob_diff_max``, while source a's teacher is far away (the
+    mean of log π − log π_T over the student's samples estimates KL(π ‖ π_T) ≥ 0)."""
+    assert "; teacher:a 1 rank(s)" in stdout and "; teacher:b 1 rank(s)" in stdout
+    first = steps[0]  # the seeded sampler draws both sources at step 1
+    assert abs(first["distill/reverse_kl/b"]) <= first["actor/rollout_logprob_diff_max"] + 1e-6
+    assert first["distill/reverse_kl/a"] > 0.1
+    for r in steps:
+        # The advantage is −(log π − log π_T) on every action token; nothing else enters.
+        assert r["distill/reverse_kl"] == pytest.approx(-r["advantages/mean"], abs=1e-6)
+        assert r["rollout/samples"] == 16.0
 
 
 def _check_eval_only(assets, run_dir, last_eval) -> None:
@@ -303,7 +350,8 @@ def test_sft_command_lowers_the_loss(assets, tmp_path) -> None:
         (["--MODEL", "--eval.eval_only", "True"], "--eval.eval_only evaluates --data.eval_data"),
         (
             ["--MODEL", "--algo.advantage.estimator", "distill"],
-            "--algo.advantage.estimator=distill reads a teacher model's log-probs",
+            "--algo.advantage.estimator=distill reads a teacher's log-probs of the sampled tokens: "
+            "give --teacher.model.path",
         ),
         (
             ["--MODEL", "--data.input_template", "Q: {question}"],
@@ -368,6 +416,69 @@ def test_bad_configs_and_data_name_the_flag(assets, tmp_path, args, message) -> 
     out = rlhf("train", "grpo", *args)
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
     assert message in out.stderr
+
+
+def test_teacher_mistakes_are_refused_before_start_up(assets, tmp_path, teacher, capsys) -> None:
+    """A teacher where nothing reads one, teachers by source that do not match the prompt
+    sources, a second replica, and a teacher with another tokenizer: each refused by flag,
+    exit 2, before Ray starts."""
+    from transformers import AutoTokenizer
+
+    from rlhf.cli.main import main
+
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    for f in teacher.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    tok = AutoTokenizer.from_pretrained(teacher)
+    n = len(tok.get_vocab())
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    base = ["--actor.model.path", str(assets["model"]), "--run_dir", str(tmp_path / "run")]
+    one = ["--data.prompt_data", str(assets["train"])]
+    two = ["--data.prompt_data", f"a={assets['train']},b={assets['train']}"]
+    cases = [
+        (["grpo", *one, "--teacher.model.path", str(teacher)],
+         "--teacher.model.path is set, but --algo.advantage.estimator=group_norm reads no "
+         "teacher: use `rlhf train distill`"),
+        (["distill", *two, "--teacher.model.path", f"a={teacher}"],
+         "--data.prompt_data source(s) ['b'] have none (the sources are ['a', 'b']"),
+        (["distill", *two, "--teacher.model.path", f"a={teacher},b={teacher},c={teacher}"],
+         "names teachers for ['c'], which are no --data.prompt_data source"),
+        (["distill", *one, "--teacher.model.path", str(teacher), "--teacher.num_ranks", "2"],
+         "--teacher.num_ranks: a teacher scores as one data-parallel replica"),
+        (["distill", *one, "--teacher.model.path", str(other)],
+         f"--teacher.model.path {other}: the tokenizers differ ({n} vs {n + 1} tokens; e.g. "
+         f"'<extra>' is id {n} in the teacher's alone) against --actor.model.path; on-policy "
+         "distillation compares both models' log-probs of the same token ids, and "
+         "distillation across tokenizers is not supported yet"),
+    ]  # fmt: skip
+    for args, message in cases:
+        assert main(["train", args[0], *base, *args[1:]]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err, (args, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "run" / "placement.json").exists()
+
+
+def test_muon_where_it_cannot_run_is_refused_by_flag(assets, tmp_path, capsys) -> None:
+    from rlhf.cli.main import main
+
+    base = ["train", "grpo", "--actor.model.path", str(assets["model"]), "--data.prompt_data",
+            str(assets["train"]), "--run_dir", str(tmp_path), "--actor.optimizer.name", "muon"]  # fmt: skip
+    cases = [
+        ([], "--actor.optimizer.name muon with --actor.optimizer.grad_clip 1.0 (OpenRLHF's "
+             "--actor.max_norm): DeepSpeed's Muon clips after its Newton-Schulz step"),
+        (["--actor.optimizer.grad_clip", "0", "--actor.deepspeed.zero_stage", "0"],
+         "--actor.optimizer.name muon needs --actor.deepspeed.zero_stage 1, 2 or 3"),
+        (["--actor.optimizer.grad_clip", "0", "--actor.backend", "molt"],
+         "FSDP2 shards every weight matrix across the ranks and Muon orthogonalises whole "
+         "matrices"),
+    ]  # fmt: skip
+    for args, message in cases:
+        assert main([*base, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err, (args, err)
 
 
 def test_lossy_prompts_are_refused_before_start_up_under_the_flag(assets, tmp_path) -> None:

@@ -15,6 +15,27 @@ import pytest
 from .conftest import process_env, rlhf, small_run
 
 
+def test_learning_table_rows_and_the_distillation_note() -> None:
+    from rlhf.cli.learning_table import ROWS, Row, teacher_reached
+
+    assert len({row.key for row in ROWS}) == len(ROWS)  # each row its own run directory
+    (distill,) = [row for row in ROWS if row.teacher]
+    assert distill.teacher in {row.key for row in ROWS[: ROWS.index(distill)]}  # ran before
+    assert distill.label == "On-policy distillation (teacher: GRPO's final policy)"
+    assert Row("grpo", variant="IcePop").label == "GRPO with IcePop"
+    assert Row("grpo", variant="binary_kl gating").key == "grpo-deepspeed-binary_kl_gating"
+    curve = [(0, 1.0, 0.30), (5, 9.0, 0.70), (10, 17.0, 0.79), (15, 25.0, 0.85)]
+    # The first evaluation at or above 0.81 - 0.02 = 0.79 is step 10.
+    assert teacher_reached(curve, 0.81).startswith(
+        "Distillation reached its teacher's pass@1 (0.810) within 0.02 at step 10 (0.790), "
+        "17 s after"
+    )
+    assert teacher_reached(curve, 0.90) == (
+        "Distillation did not come within 0.02 of its teacher's pass@1 (0.900) in 15 steps "
+        "(best 0.850)."
+    )
+
+
 @pytest.mark.parametrize("backend", ["deepspeed", "molt"])
 def test_demo_improves_held_out_accuracy(tmp_path, backend) -> None:
     """The full demo (300 SFT + 40 RL steps) went from 0.40 to 0.86 pass@1 when measured;
@@ -26,6 +47,11 @@ def test_demo_improves_held_out_accuracy(tmp_path, backend) -> None:
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["end_pass@1"] - summary["start_pass@1"] >= 0.15, summary
+    # The pass@1 curve: every evaluation's step, seconds since the roles started, pass@1.
+    curve = summary["curve"]
+    assert [c[0] for c in curve] == [0, 6, 12]
+    assert 0 <= curve[0][1] < curve[1][1] < curve[2][1] <= summary["rl_wall_s"]
+    assert (curve[0][2], curve[-1][2]) == (summary["start_pass@1"], summary["end_pass@1"])
     assert (tmp_path / "rl" / "curves.png").is_file()
     assert "[demo] held-out pass@1" in out.stdout
     expected = "FSDP2 (molt, float32)" if backend == "molt" else "ZeRO-2"

@@ -35,6 +35,17 @@ def test_bundle_layouts_follow_the_flags() -> None:
     assert [sum(m.cpus for m in b) for b in group.bundles] == [3.0, 2.5]
     rm = replace(ppo, **{"train.reward_model_path": "rm", "train.colocate_critic_reward": True})
     assert _layout(rm) == {"critic_reward": [["critic0", "reward_model0"], ["critic1"]]}
+    # Teachers by data source are frozen scorers: in bundle 0 beside the reference, each
+    # reserving --teacher.num_cpus_per_rank.
+    distill = replace(resolve("distill"), **{
+        "actor.num_ranks": 2, "vllm.num_engines": 2, "train.colocate_all": True,
+        "teacher.model.path": "math=/m,code=/c", "teacher.num_cpus_per_rank": 0.25,
+    })  # fmt: skip
+    assert _layout(distill) == {
+        "all": [["actor0", "engines0", "teacher:math0", "teacher:code0"], ["actor1", "engines1"]]
+    }
+    (group,) = plan_bundles(distill.processes())
+    assert [sum(m.cpus for m in b) for b in group.bundles] == [2.5, 2.0]
 
 
 def test_a_hybrid_run_puts_every_role_in_one_placement_group(assets, tmp_path) -> None:

@@ -72,6 +72,10 @@ class RLConfig:
         vllm: Engines.
         actor: The policy.
         critic: The value model (used by the ``gae`` estimator).
+        teacher: The frozen teacher of on-policy distillation (``rlhf train distill``):
+            ``--teacher.model.path`` one model directory, or comma-separated ``source=path``
+            pairs naming one teacher per data source of ``--data.prompt_data``; it scores
+            with its own backend, resources and ``--teacher.node`` (`teacher_paths`).
         algo: Estimator, losses, KL, filtering (``rlhf.algos``).
         train: The loop.
         eval: Evaluation.
@@ -90,6 +94,7 @@ class RLConfig:
     vllm: VllmConfig = field(default_factory=VllmConfig)
     actor: RoleConfig = field(default_factory=RoleConfig)
     critic: RoleConfig = field(default_factory=RoleConfig)
+    teacher: RoleConfig = field(default_factory=RoleConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -117,6 +122,35 @@ class RLConfig:
     def uses_reference(self) -> bool:
         return self.algo.kl.init_coef > 0
 
+    def teacher_paths(self) -> dict[str, str]:
+        """``--teacher.model.path`` read: ``{"": path}`` for one teacher of every prompt, or
+        ``{source: path}`` for teachers by data source (``source=path`` pairs, split on the
+        last ``=`` as ``--data.prompt_data`` is); empty without a teacher. Entries without a
+        name or a path are kept as given for `rlhf.cli.validation` to name."""
+        spec = self.teacher.model.path
+        if not spec.strip():
+            return {}
+        items = [item for item in spec.split(",") if item.strip()]
+        if len(items) == 1 and "=" not in items[0]:
+            return {"": items[0].strip()}
+        paths: dict[str, str] = {}
+        for item in items:
+            name, _, path = item.rpartition("=")
+            paths[name.strip()] = path.strip()
+        return paths
+
+    def teacher_roles(self) -> dict[str, tuple[str, str]]:
+        """Each teacher's role name (`teacher_role`) → (data source, model path)."""
+        return {
+            teacher_role(source): (source, path) for source, path in self.teacher_paths().items()
+        }
+
+    def teacher_config(self, path: str) -> RoleConfig:
+        """The scoring role of the teacher at ``path``: ``--teacher.*`` as one data-parallel
+        replica, offloaded like the reference under ``--train.ref_reward_offload``."""
+        role = self.teacher.eval_only(offload=self.train.ref_reward_offload)
+        return dataclasses.replace(role, model=dataclasses.replace(role.model, path=path))
+
     def processes(self) -> Processes:
         """What placement reads of the run: every role it starts (processes, CPUs each), the
         roles' node specs and the colocation flags."""
@@ -128,6 +162,9 @@ class RLConfig:
             ranks["critic"] = (self.critic.num_ranks, self.critic.num_cpus_per_rank)
         if self.train.reward_model_path:
             ranks["reward_model"] = (1, actor_cpus)
+        for name, (_, path) in self.teacher_roles().items():
+            teacher = self.teacher_config(path)
+            ranks[name] = (teacher.num_ranks, teacher.num_cpus_per_rank)
         ranks["engines"] = (self.vllm.num_engines, self.vllm.num_cpus)
         t = self.train
         return Processes(
@@ -147,19 +184,22 @@ class RLConfig:
     def role_nodes(self) -> dict[str, tuple[str, NodeSpec]]:
         """Per role, the flag whose node spec it follows and that spec: the reference and
         the reward model follow ``--actor.node`` (the reward model ``--critic.node`` when
-        ``--train.colocate_critic_reward`` puts it beside the critic).
+        ``--train.colocate_critic_reward`` puts it beside the critic), the teachers
+        ``--teacher.node`` when it is set, else the actor's.
 
         Raises:
             NodeSpecError: a spec that does not parse, naming its flag.
         """
         parse = {flag: (flag, NodeSpec.parse(text, flag=flag)) for flag, text in self.node_flags()}
         actor, critic = parse["--actor.node"], parse["--critic.node"]
+        teacher = parse["--teacher.node"] if self.teacher.node else actor
         return {
             "actor": actor,
             "ref": actor,
             "critic": critic,
             "reward_model": critic if self.train.colocate_critic_reward else actor,
             "engines": parse["--vllm.node"],
+            **dict.fromkeys(self.teacher_roles(), teacher),
         }
 
     def node_flags(self) -> tuple[tuple[str, str], ...]:
@@ -168,6 +208,7 @@ class RLConfig:
             ("--actor.node", self.actor.node),
             ("--critic.node", self.critic.node),
             ("--vllm.node", self.vllm.node),
+            ("--teacher.node", self.teacher.node),
         )
 
     def with_absolute_paths(self) -> RLConfig:
@@ -181,6 +222,10 @@ class RLConfig:
                 "actor.model.path": absolute_path(self.actor.model.path),
                 "critic.model.path": absolute_path(self.critic.model.path),
                 "train.reward_model_path": absolute_path(self.train.reward_model_path),
+                "teacher.model.path": ",".join(
+                    f"{source}={absolute_path(path)}" if source else absolute_path(path)
+                    for source, path in self.teacher_paths().items()
+                ),
             },
         )
 
@@ -189,6 +234,7 @@ class RLConfig:
         paths = [self.actor.model.path, self.train.reward_model_path]
         if self.uses_critic:
             paths.append(self.critic.model.path)
+        paths += self.teacher_paths().values()
         return [p for p in paths if p]
 
     @property
@@ -230,6 +276,12 @@ class RLConfig:
             section, name = flag.split(".")
             out[flag] = int(getattr(getattr(self, section), name))
         return out
+
+
+def teacher_role(source: str) -> str:
+    """The role name of the teacher of data source ``source``: ``teacher`` for the one
+    teacher of every prompt (``source`` empty), else ``teacher:<source>``."""
+    return f"teacher:{source}" if source else "teacher"
 
 
 RL_SHAPE = (

@@ -23,12 +23,12 @@ import json
 import pathlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf.cli.backends import BACKENDS
-from rlhf.cli.config import ConfigError, RLConfig
+from rlhf.cli.config import ConfigError, RLConfig, replace
 from rlhf.cli.presets import resolve
 from rlhf.cli.sections import (
     EvalConfig,
@@ -59,6 +59,9 @@ class DemoConfig:
             table shares one warm start across algorithms).
         backend: What trains the warm start and the RL learners: ``deepspeed`` or ``molt``
             (PyTorch FSDP2; ``--actor.backend`` of ``rlhf train``).
+        teacher_model: The teacher of ``--algo distill`` (on-policy distillation): a model
+            with the demo's tokenizer, e.g. an earlier demo's RL export
+            (``runs/demo/rl/final``).
     """
 
     run_dir: str = "runs/demo"
@@ -70,6 +73,7 @@ class DemoConfig:
     eval_steps: int = 5
     sft_model: str | None = None
     backend: str = "deepspeed"
+    teacher_model: str | None = None
 
 
 def _digits(rng: random.Random) -> str:
@@ -171,6 +175,7 @@ def rl_config(config: DemoConfig, model: pathlib.Path, data: dict[str, pathlib.P
         num_cpus_per_rank=0.5,
     )
     critic = dataclasses.replace(role, optimizer=OptimizerConfig(lr=3e-3, schedule="constant"))
+    teacher = RoleConfig(model=ModelConfig(path=config.teacher_model or ""), num_cpus_per_rank=0.5)
     return dataclasses.replace(
         base,
         run_dir=str(pathlib.Path(config.run_dir) / "rl"),
@@ -189,14 +194,22 @@ def rl_config(config: DemoConfig, model: pathlib.Path, data: dict[str, pathlib.P
         ),
         actor=role,
         critic=critic,
+        teacher=teacher,
         algo=algo,
         train=TrainConfig(num_steps=config.rl_steps, micro_batch_size=128, seed=config.seed),
         eval=EvalConfig(steps=config.eval_steps, n_samples=4, temperature=1.0, max_prompts=200),
     )
 
 
-def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Make the assets, warm-start by SFT, run RL; returns the start and end evaluations."""
+def run_demo(
+    config: DemoConfig,
+    *,
+    echo: Callable[[str], None] = print,
+    rl_changes: Mapping[str, object] | None = None,
+) -> dict[str, Any]:
+    """Make the assets, warm-start by SFT, run RL; returns the start and end evaluations and
+    the held-out pass@1 curve. ``rl_changes``: dotted RL settings over `rl_config`'s
+    (`rlhf.cli.config.replace`; the learning table's variants of a preset)."""
     from rlhf.cli.cluster import start_ray_early
     from rlhf.cli.rl import run_rl
     from rlhf.cli.sft import SFTConfig, run_sft
@@ -237,7 +250,8 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
     # Without a warm start in this process, the RL stage's start-up counts from the
     # interpreter's start (imports, assets), as `rlhf train` does.
     watch = Stopwatch(since_process_start=bool(config.sft_model))
-    rl = run_rl(rl_config(config, pathlib.Path(sft["model"]), data), echo=echo, stopwatch=watch)
+    rl_run = replace(rl_config(config, pathlib.Path(sft["model"]), data), **(rl_changes or {}))
+    rl = run_rl(rl_run, echo=echo, stopwatch=watch)
     rl_wall = time.perf_counter() - rl_started
     evaluations = rl["evaluations"]
     key = next(k for k in evaluations[0] if k.endswith("/pass@1"))
@@ -247,6 +261,8 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
         "end_pass@1": evaluations[-1][key],
         "wall_s": time.perf_counter() - started,
         "rl_wall_s": rl_wall,
+        # (step, seconds since the roles started, pass@1) of every evaluation
+        "curve": [(e["step"], e["time/elapsed_s"], e[key]) for e in evaluations],
         "curves": str(pathlib.Path(config.run_dir) / "rl" / "curves.png"),
     }
     (root / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -172,6 +172,11 @@ def rl_layout(config: RLConfig) -> tuple[list[Gpu], list[str]]:
         memory = learner_memory(rm, rm_shape, tokens=tokens, trains=False, outputs=1)
         beside = "critic" if t.colocate_critic_reward and config.uses_critic else ""
         side.append(("reward model", rm.num_ranks, memory, beside))
+    for name, (_, path) in config.teacher_roles().items():
+        shape = ModelShape.read(path, flag="--teacher.model.path")
+        teacher = config.teacher_config(path)
+        memory = learner_memory(teacher, shape, tokens=tokens, trains=False, outputs=shape.vocab)
+        side.append((name, teacher.num_ranks, memory, ""))
     engine = engine_load(config, actor)
     per_engine = engine.tp * engine.pp
     gpus: list[Gpu] = []
@@ -378,6 +383,10 @@ def plan(config: RLConfig) -> list[str]:
         f"{trains_on(config.actor)}"
         + ("; reference 1 rank" if config.uses_reference else "")
         + ("; reward model 1 rank" if config.train.reward_model_path else "")
+        + "".join(
+            f"; {name} {config.teacher_config(path).num_ranks} rank(s) ({path})"
+            for name, (_, path) in config.teacher_roles().items()
+        )
         + (
             " (reference/reward model: ZeRO-3, parameters offloaded to CPU)"
             if config.train.ref_reward_offload

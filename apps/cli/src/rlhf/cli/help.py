@@ -27,7 +27,7 @@ COMMON: dict[str, tuple[str, ...]] = {
         "run_dir", "dry_run",
         "actor.model.path", "actor.num_ranks", "actor.num_gpus_per_rank",
         "actor.optimizer.lr", "actor.deepspeed.zero_stage", "actor.deepspeed.bf16",
-        "critic.model.path",
+        "critic.model.path", "teacher.model.path",
         "data.prompt_data", "data.input_key", "data.label_key", "data.apply_chat_template",
         "data.eval_data",
         "reward.reward_func", "reward.remote_url",

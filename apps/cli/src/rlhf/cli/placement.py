@@ -4,7 +4,8 @@ placement group shared with other roles (colocated).
 - ``--train.colocate_actor_ref``: the reference shares the actor's first bundle.
 - ``--train.colocate_critic_reward``: the reward model shares the critic's first bundle.
 - ``--train.colocate_all``: one bundle per actor rank holds actor rank ``i``, critic rank ``i``
-  and engine ``i``; the reference and the reward model share bundle 0 (hybrid placement).
+  and engine ``i``; the frozen scorers (reference, reward model, teachers) share bundle 0
+  (hybrid placement).
 
 A bundle reserves the sum of its members' CPUs (and, on GPUs, one GPU that its members split
 evenly), so colocated roles run side by side on the same resources instead of each reserving
@@ -54,7 +55,8 @@ def plan_bundles(processes: Processes) -> list[GroupLayout]:
         n = roles["actor"][0]
         members = [(role, r, r) for role in ("actor", "critic", "engines") if role in roles
                    for r in range(roles[role][0])]  # fmt: skip
-        members += [(role, 0, 0) for role in ("ref", "reward_model") if role in roles]
+        frozen = [r for r in roles if r in ("ref", "reward_model") or r.startswith("teacher")]
+        members += [(role, k, 0) for role in frozen for k in range(roles[role][0])]
         return [layout("all", n, members)]
     groups = []
     if processes.colocate_actor_ref and "ref" in roles:

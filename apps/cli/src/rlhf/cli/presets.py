@@ -90,6 +90,15 @@ def dapo() -> AlgoConfig:
     )
 
 
+@preset("distill")
+def distill() -> AlgoConfig:
+    """On-policy distillation: the student samples, a frozen teacher (``--teacher.model.path``,
+    same tokenizer) scores the sampled tokens, and each token's advantage is the negative
+    reverse-KL sample log π_T(y_t) − log π(y_t) (estimator ``distill``; the reward is not
+    used, only reported), no KL to a reference."""
+    return AlgoConfig(advantage=AdvantageConfig(estimator="distill"), kl=KLConfig(init_coef=0.0))
+
+
 def follow_generation_budget(config: RLConfig, *, given: Collection[str]) -> RLConfig:
     """Under ``seq-mean-token-sum-norm`` the loss divides by a constant L_max, the generation
     budget (Dr. GRPO): ``algo.loss_agg_max_len`` becomes ``--rollout.max_new_tokens`` unless

@@ -31,7 +31,7 @@ from ray.exceptions import RayActorError
 from rlhf.algos import make_kl_controller
 from rlhf.cli.best import BestModel, check_metric
 from rlhf.cli.cluster import start_ray, start_ray_early
-from rlhf.cli.config import RLConfig, RunError
+from rlhf.cli.config import RLConfig, RunError, raise_problems
 from rlhf.cli.dry_run import plan
 from rlhf.cli.faults import actor_died, resume_hint
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
@@ -51,6 +51,7 @@ from rlhf.cli.sync import (
     report,
 )
 from rlhf.cli.trainer_state import save_hf_at
+from rlhf.cli.validation import teacher_vocabulary_problems
 from rlhf.learner import MicroBatching, Samples, make_experience, ppo_update
 from rlhf.learner.prompts import Prompt, PromptSampler, check_prompts, prompt_sources
 from rlhf.rollout import EngineDiedError
@@ -95,6 +96,7 @@ def run_rl(
     config = steps_of_episodes(config.validate().with_absolute_paths(), echo=echo)
     for path in config.model_dirs():
         check_model_dir(path)
+    raise_problems(teacher_vocabulary_problems(config), where="the teachers")
     check_user_files(
         reward=config.resolved_reward(),
         agent_path=config.train.agent_func_path,
@@ -328,6 +330,9 @@ class RLDriver:
     stopwatch: Stopwatch | None = None
     best: BestModel | None = None
     step_began: float = 0.0
+    began: float = dataclasses.field(default_factory=time.perf_counter)
+    """When the driver was made (every role started): evaluations count ``time/elapsed_s``
+    from it."""
     last: dict[str, Any] = dataclasses.field(default_factory=dict)
     evaluations: list[dict[str, float]] = dataclasses.field(default_factory=list)
     trained_sampler_state: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -417,6 +422,8 @@ class RLDriver:
             reference=roles.ref,
             critic=roles.critic,
             reward_model=roles.reward_model,
+            teachers=roles.teachers,
+            sources=rollout.sources or None,
             algo=c.algo,
             n_samples_per_prompt=c.rollout.n_samples_per_prompt,
             max_new_tokens=c.rollout.max_new_tokens,
@@ -478,7 +485,8 @@ class RLDriver:
 
     async def evaluate(self, step: int) -> None:
         result = await evaluate_policy(self.config, self.executors, self.eval_prompts)
-        self.evaluations.append({"step": step, **result})
+        elapsed = time.perf_counter() - self.began
+        self.evaluations.append({"step": step, "time/elapsed_s": elapsed, **result})
         self.log.write(self.evaluations[-1])
         self.echo(summary_line(self.evaluations[-1]))
         if self.best is not None and self.best.improves(result):

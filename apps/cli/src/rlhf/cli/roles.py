@@ -8,7 +8,8 @@ first and the learners after them.
 
 Which learner roles run, and with which settings, is `role_configs` (pure, from the config);
 `start_roles` builds them: the reference when ``--algo.kl.init_coef > 0``, the critic when the
-estimator needs one (``rlhf.algos``), the reward model for ``--train.reward_model_path``.
+estimator needs one (``rlhf.algos``), the reward model for ``--train.reward_model_path``, a
+frozen teacher per ``--teacher.model.path`` entry (on-policy distillation).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlhf.cli.backends import backend_factory, compute_threads, rank_env
-from rlhf.cli.config import RLConfig
+from rlhf.cli.config import RLConfig, teacher_role
 from rlhf.cli.placement import Placement, place, processes, where_this_process_runs
 from rlhf.cli.sections import RoleConfig, VllmConfig
 from rlhf.cli.startup import Stopwatch
@@ -56,6 +57,8 @@ def role_configs(
             ),
         )
         roles["reward_model"] = (scorer, 1, False)
+    for name, (_, path) in config.teacher_roles().items():
+        roles[name] = (config.teacher_config(path), 1, False)
     return {
         name: (role, role.learner(seed=seed, total_steps=steps, train=trains))
         for name, (role, steps, trains) in roles.items()
@@ -75,6 +78,8 @@ class Roles:
         reward_model: The reward model, or None.
         placement: Where each process runs.
         turns: Hybrid placement's turn-taking (``--train.colocate_all``), or None.
+        teachers: On-policy distillation's frozen teachers by data source (``""``: one
+            teacher of every prompt); empty without.
     """
 
     engines: list[RayEngine]
@@ -85,6 +90,7 @@ class Roles:
     reward_model: LearnerGroup | None
     placement: Placement
     turns: TurnTaking | None
+    teachers: dict[str, LearnerGroup] = dataclasses.field(default_factory=dict)
     process_names: dict[str, str] = dataclasses.field(default_factory=dict)
     """Ray actor id -> "actor rank 0", "vLLM engine 1", …: filled by `report_placement`."""
     launch: EngineLaunch | None = None
@@ -105,6 +111,7 @@ class Roles:
             "ref": self.ref,
             "critic": self.critic,
             "reward_model": self.reward_model,
+            **{teacher_role(source): g for source, g in self.teachers.items()},
         }
         return {name: g for name, g in groups.items() if g is not None}
 
@@ -433,6 +440,7 @@ def start_roles(
             ref=groups.get("ref"),
             critic=groups.get("critic"),
             reward_model=groups.get("reward_model"),
+            teachers={source: groups[name] for name, (source, _) in config.teacher_roles().items()},
             placement=placement,
             turns=turns,
             launch=launch,

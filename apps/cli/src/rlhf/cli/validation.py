@@ -21,6 +21,7 @@ from rlhf.cli.sections import (
     TrainConfig,
     is_reward_file,
 )
+from rlhf.learner.prompts import source_names
 
 if TYPE_CHECKING:
     from rlhf.cli.config import RLConfig
@@ -170,7 +171,7 @@ def node_problems(config: RLConfig) -> list[str]:
         return problems
     nodes = config.role_nodes()
     actor = nodes["actor"][1]
-    others = ["engines"] + (["critic"] if config.uses_critic else [])
+    others = ["engines"] + (["critic"] if config.uses_critic else []) + list(config.teacher_roles())
     for role in others:
         flag, spec = nodes[role]
         if spec and actor and spec != actor:
@@ -198,12 +199,7 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
             "--eval.best_metric keeps the best policy of a training run; --eval.eval_only "
             "trains none: drop one of them",
         ),
-        (
-            config.algo.advantage.spec.needs_teacher,
-            f"--algo.advantage.estimator={config.algo.advantage.estimator} reads a teacher "
-            "model's log-probs of the sampled tokens, and no teacher role is built yet (the "
-            "teacher role and `rlhf train distill` come next): choose another estimator",
-        ),
+        *teacher_checks(config),
         (
             config.rollout.n_samples_per_prompt < 2 and config.algo.advantage.spec.needs_groups,
             f"--algo.advantage.estimator={config.algo.advantage.estimator} compares samples "
@@ -373,7 +369,79 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
     ]
 
 
+def teacher_checks(config: RLConfig) -> list[tuple[bool, str]]:
+    """The teacher against the estimator and the prompt data: a distillation run has a
+    teacher, a teacher is read, and teachers by data source name exactly the sources of
+    ``--data.prompt_data``."""
+    estimator = config.algo.advantage.estimator
+    needs = config.algo.advantage.spec.needs_teacher and not config.eval.eval_only
+    paths = config.teacher_paths()
+    checks = [
+        (
+            needs and not paths,
+            f"--algo.advantage.estimator={estimator} reads a teacher's log-probs of the "
+            "sampled tokens: give --teacher.model.path (a model directory with the student's "
+            "tokenizer, or source=path pairs, one per --data.prompt_data source)",
+        ),
+        (
+            bool(paths) and not config.algo.advantage.spec.needs_teacher,
+            f"--teacher.model.path is set, but --algo.advantage.estimator={estimator} reads no "
+            "teacher: use `rlhf train distill` (or --algo.advantage.estimator distill), or drop "
+            "--teacher.model.path",
+        ),
+        (
+            config.teacher.num_ranks != 1,
+            "--teacher.num_ranks: a teacher scores as one data-parallel replica; split a large "
+            "one with --teacher.deepspeed.tp_size or --teacher.ring_attn_size instead",
+        ),
+    ]
+    if set(paths) <= {""}:  # one teacher, or none
+        return checks
+    blank = [f"{name}={path}" for name, path in paths.items() if not name or not path]
+    sources = {name for name, _ in source_names(config.data.prompt_data)}
+    missing, unknown = sorted(sources - set(paths)), sorted(set(paths) - sources - {""})
+    return [
+        *checks,
+        (
+            bool(blank),
+            f"--teacher.model.path: {', '.join(blank)}: each teacher is source=path with both "
+            "parts, or give one path for every prompt",
+        ),
+        (
+            bool(missing) and not config.eval.eval_only,
+            f"--teacher.model.path names teachers by data source, and --data.prompt_data "
+            f"source(s) {missing} have none (the sources are {sorted(sources)}: "
+            "name=path, or the file's stem)",
+        ),
+        (
+            bool(unknown) and not config.eval.eval_only,
+            f"--teacher.model.path names teachers for {unknown}, which are no "
+            f"--data.prompt_data source (the sources are {sorted(sources)})",
+        ),
+    ]
+
+
+def teacher_vocabulary_problems(config: RLConfig) -> list[str]:
+    """Teachers whose tokenizer is not the student's (read from their directories, so once
+    the model directories are known to exist): their log-probs are of other token ids."""
+    from rlhf.learner import vocabulary_mismatch
+
+    problems = []
+    for source, path in config.teacher_paths().items():
+        why = vocabulary_mismatch(config.actor.model.path, path)
+        if why:
+            problems.append(
+                f"--teacher.model.path {source + '=' if source else ''}{path}: {why} against "
+                "--actor.model.path; on-policy distillation compares both models' log-probs of "
+                "the same token ids, and distillation across tokenizers is not supported yet: "
+                "choose a teacher with the student's tokenizer"
+            )
+    return problems
+
+
 def backend_problems(config: RLConfig) -> list[str]:
-    """What keeps the actor (and critic) from building on their backends."""
+    """What keeps the actor (and critic, and teachers) from building on their backends."""
     roles = [("actor", config.actor)] + ([("critic", config.critic)] if config.uses_critic else [])
+    if config.teacher_paths():
+        roles.append(("teacher", config.teacher))
     return [problem for flag, role in roles for problem in role_problems(role, flag=flag)]

@@ -92,7 +92,7 @@ ROWS = (
         variant="Muon",
         changes=(
             ("actor.optimizer.name", "muon"),
-            ("actor.optimizer.muon_lr", 0.02),
+            ("actor.optimizer.muon_lr", 0.005),
             ("actor.optimizer.grad_clip", 0.0),
         ),
     ),
@@ -100,7 +100,7 @@ ROWS = (
 )
 """Every preset on DeepSpeed; GRPO's RL stage on molt, with the gated train/rollout
 corrections (IcePop: token mask outside [0.5, 2]; binary-KL gating: tokens whose binary KL
-exceeds 0.01 masked) and with Muon on the hidden matrices (muon_lr 0.02, AdamW at the demo's
+exceeds 0.01 masked) and with Muon on the hidden matrices (muon_lr 0.005, AdamW at the demo's
 lr for the rest, no gradient clip); on-policy distillation from GRPO's final policy. All from
 the same warm start."""
 

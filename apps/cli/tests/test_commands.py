@@ -122,6 +122,7 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset, teacher) -> Non
         "grpo": [
             "--actor.model.chunked_lm_head", "True",
             "--eval.best_metric", "eval/sort4/pass@1", "--actor.optimizer.ema_decay", "0.9",
+            "--rollout.dump_dir", str(tmp_path / "dump"),
         ],
         # On-policy distillation with a teacher per data source: the same prompts under two
         # names, source a distilled from `teacher`, source b from the student's own start.
@@ -177,6 +178,7 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset, teacher) -> Non
     if preset == "grpo":
         _check_best_and_ema(assets["model"], tmp_path, evals)
         _check_eval_only(assets, tmp_path, evals[-1])
+        _check_replay(args, extra, tmp_path, steps)
 
 
 def _check_distill(stdout: str, steps: list[dict]) -> None:
@@ -192,6 +194,30 @@ def _check_distill(stdout: str, steps: list[dict]) -> None:
         # The advantage is −(log π − log π_T) on every action token; nothing else enters.
         assert r["distill/reverse_kl"] == pytest.approx(-r["advantages/mean"], abs=1e-6)
         assert r["rollout/samples"] == 16.0
+
+
+def _check_replay(args, extra, run_dir, steps) -> None:
+    """A run that trains on the dumped rollouts instead of sampling reproduces the dumping
+    run's training bit for bit: the same samples, losses and gradient norms at every step,
+    and the same final weights."""
+    again = run_dir / "replay"
+    args = [str(again) if a == str(run_dir) else a for a in args]
+    extra = list(extra)
+    extra[extra.index("--rollout.dump_dir")] = "--rollout.replay_dir"
+    out = rlhf("train", "grpo", *args, *extra)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert f"[plan] replay: training on the rollouts of {run_dir / 'dump'}" in out.stdout
+    replayed = [r for r in _rows(again / "metrics.jsonl") if "reward/mean" in r]
+    keys = ("rollout/samples_crc32", "reward/mean", "actor/loss", "actor/grad_norm")
+    assert [[r[k] for k in keys] for r in replayed] == [[r[k] for k in keys] for r in steps]
+    ours, theirs = again / "final" / "model.safetensors", run_dir / "final" / "model.safetensors"
+    assert ours.read_bytes() == theirs.read_bytes()
+    # Another starting policy is refused by flag before anything starts.
+    other = list(args)
+    other[other.index("--actor.model.path") + 1] = str(run_dir / "final")
+    refused = rlhf("train", "grpo", *other, *extra)
+    assert refused.returncode == 2
+    assert "--rollout.replay_dir" in refused.stderr and "policy: dumped" in refused.stderr
 
 
 def _check_eval_only(assets, run_dir, last_eval) -> None:

@@ -92,7 +92,10 @@ def test_every_format_reads_back_the_same_rows(tmp_path, fmt) -> None:
     path = WRITERS[fmt](tmp_path, ROWS)
     assert read_rows(str(path)) == ROWS
     (prompts,) = load_prompts(f"src={path}", DataConfig(), None).values()
-    assert prompts == [Prompt(r["input"], r["label"], str(path)) for r in ROWS]
+    # Each prompt names its file (errors) and its source (routing, per-source metrics).
+    assert prompts == [
+        Prompt(r["input"], r["label"], str(path), source_name="src") for r in ROWS
+    ]
 
 
 def test_max_samples_and_input_template_apply_to_every_source(tmp_path) -> None:
@@ -208,7 +211,7 @@ def test_a_messages_row_renders_every_turn(tmp_path, fmt) -> None:
         "<|system|>Answer with a number.\n<|user|>6*7?\n<|assistant|>42\n"
         "<|user|>and 6*8?\n<|assistant|>"
     )
-    assert prompts == [Prompt(expected, "48", str(path))]
+    assert prompts == [Prompt(expected, "48", str(path), source_name=path.stem)]
 
 
 def _write(name: str, text: str) -> Callable[[pathlib.Path], pathlib.Path]:

@@ -33,6 +33,7 @@ from rlhf.cli.best import BestModel, check_metric
 from rlhf.cli.cluster import start_ray, start_ray_early
 from rlhf.cli.config import RLConfig, RunError, raise_problems
 from rlhf.cli.dry_run import plan
+from rlhf.cli.dumps import open_dumps
 from rlhf.cli.faults import actor_died, resume_hint
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
 from rlhf.cli.resume import check_resume
@@ -54,7 +55,7 @@ from rlhf.cli.trainer_state import save_hf_at
 from rlhf.cli.validation import teacher_vocabulary_problems
 from rlhf.learner import MicroBatching, Samples, make_experience, ppo_update
 from rlhf.learner.prompts import Prompt, PromptSampler, check_prompts, prompt_sources
-from rlhf.rollout import EngineDiedError
+from rlhf.rollout import EngineDiedError, RolloutDump
 from rlhf.rollout.sampling import EmptyStepError, evaluate, sample_step, staleness
 from rlhf.rollout.schedule import Rollout, run_asynchronous, run_synchronous
 
@@ -97,6 +98,7 @@ def run_rl(
     for path in config.model_dirs():
         check_model_dir(path)
     raise_problems(teacher_vocabulary_problems(config), where="the teachers")
+    dump, replay = open_dumps(config)
     check_user_files(
         reward=config.resolved_reward(),
         agent_path=config.train.agent_func_path,
@@ -110,6 +112,10 @@ def run_rl(
     resolved = write_run_config(config)
     for line in plan(config):
         echo(f"[plan] {line}")
+    if replay is not None:
+        echo(f"[plan] replay: training on the rollouts of {replay.directory}, sampling none")
+    if dump is not None:
+        echo(f"[plan] dump: every step's rollout to {dump.directory}")
     resume_from = None
     if config.ckpt.load_enable:
         resume_from, line = check_resume(
@@ -196,6 +202,8 @@ def run_rl(
             echo=echo,
             stopwatch=watch,
             best=best,
+            dump=dump,
+            replay=replay,
         )
         driver.carried_metrics.update(data_metrics)
         enable_revival(driver, kind=transport, gpu=cluster.gpu, echo=echo)  # rlhf.cli.revive
@@ -329,6 +337,10 @@ class RLDriver:
     progress: Progress | None = None
     stopwatch: Stopwatch | None = None
     best: BestModel | None = None
+    dump: RolloutDump | None = None
+    """``--rollout.dump_dir``: every rollout is written here before it trains."""
+    replay: RolloutDump | None = None
+    """``--rollout.replay_dir``: rollouts are read from here instead of sampled."""
     step_began: float = 0.0
     began: float = dataclasses.field(default_factory=time.perf_counter)
     """When the driver was made (every role started): evaluations count ``time/elapsed_s``
@@ -389,6 +401,8 @@ class RLDriver:
             await run_synchronous(self, start=start, end=t.num_steps, queue=queue)
 
     async def generate(self, step: int) -> Rollout:
+        if self.replay is not None:
+            return await asyncio.to_thread(self.replay.read, step)
         executor = self.executors.training()
         c = self.config
         try:
@@ -411,6 +425,8 @@ class RLDriver:
         more than one optimizer step follows or in async mode, where the batch may come from
         older weights (whose log-probs the rollout carries for ``--algo.rollout_correction``)."""
         self.trained_sampler_state = rollout.sampler_state
+        if self.dump is not None:
+            self.dump.write(rollout)
         self.enter("training", learning=True)
         c, roles, kl_coef = self.config, self.roles, self.kl_ctl.value
         tick = time.perf_counter()

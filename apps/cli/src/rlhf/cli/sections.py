@@ -44,6 +44,14 @@ class RolloutConfig:
             with one seed sample alike (on GPUs, as far as vLLM's numerics do not depend on
             the batch). Evaluation draws the same seeds at every evaluation. False: the
             engines' own random streams.
+        dump_dir: Write every step's rollout (token ids, log-probs, rewards, weight
+            versions, metrics) here as it trains (`rlhf.rollout.RolloutDump`: safetensors +
+            JSON), beside a record of the policy and sampling settings that produced it.
+        replay_dir: Train on the rollouts dumped there instead of sampling: the engines
+            sample nothing for training (they still evaluate), and with the dump's seed the
+            losses and weights equal the dumping run's bit for bit. Refused when the dump
+            came from another starting policy, batch, group size or temperature, or holds
+            fewer steps than the run.
     """
 
     batch_size: int = 16
@@ -54,6 +62,8 @@ class RolloutConfig:
     max_new_tokens: int = 256
     max_len: int = 1024
     seed_requests: bool = True
+    dump_dir: str = ""
+    replay_dir: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -201,6 +201,11 @@ def combination_checks(config: RLConfig) -> list[tuple[bool, str]]:
         ),
         *teacher_checks(config),
         (
+            bool(config.rollout.dump_dir) and config.rollout.dump_dir == config.rollout.replay_dir,
+            "--rollout.dump_dir and --rollout.replay_dir name the same directory: the replay "
+            "would rewrite the dump it reads; dump into another one",
+        ),
+        (
             config.rollout.n_samples_per_prompt < 2 and config.algo.advantage.spec.needs_groups,
             f"--algo.advantage.estimator={config.algo.advantage.estimator} compares samples "
             "of a prompt: set --rollout.n_samples_per_prompt >= 2",

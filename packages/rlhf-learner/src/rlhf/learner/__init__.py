@@ -63,6 +63,7 @@ from rlhf.learner.forward import (
 from rlhf.learner.models import (
     ModelLoadError,
     check_model_dir,
+    checkpoint_digest,
     checkpoint_names,
     fingerprint,
     load_model,
@@ -172,6 +173,7 @@ __all__ = [
     "check_model_dir",
     "check_packing",
     "check_prompts",
+    "checkpoint_digest",
     "checkpoint_names",
     "collate",
     "complete_checkpoints",

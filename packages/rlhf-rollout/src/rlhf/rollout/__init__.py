@@ -7,12 +7,14 @@ dispatches over several by load; `spawn_engines` starts engines as Ray actors be
 over its transports. `run_synchronous` / `run_asynchronous` decide when a loop's batches
 are sampled, trained on and synced (`rlhf.rollout.schedule`: versions, staleness, a bounded
 queue of `Rollout` s); `sample_step` draws and samples one step's prompts with dynamic
-filtering's refill (`rlhf.rollout.sampling`). It may import `rlhf.agents` and `rlhf.weights`
-only.
+filtering's refill (`rlhf.rollout.sampling`); `RolloutDump` writes every step's rollout to disk
+and reads it back bit for bit (safetensors + JSON: replay, offline debugging). It may import
+`rlhf.agents` and `rlhf.weights` only.
 """
 
 from rlhf.rollout.config import EngineConfig, EngineOptions
 from rlhf.rollout.conformance import ConformanceReport, check_logprobs, processed_logprobs
+from rlhf.rollout.dump import DUMP_FORMAT, DumpError, RolloutDump
 from rlhf.rollout.engine import VLLMEngine
 from rlhf.rollout.errors import EngineError
 from rlhf.rollout.pool import EnginePool, Revive
@@ -35,8 +37,10 @@ from rlhf.rollout.schedule import Rollout, StepRunner, run_asynchronous, run_syn
 from rlhf.rollout.weight_checks import read_checkpoint_params
 
 __all__ = [
+    "DUMP_FORMAT",
     "VERIFY_MODES",
     "ConformanceReport",
+    "DumpError",
     "EmptyStepError",
     "EngineActor",
     "EngineConfig",
@@ -50,6 +54,7 @@ __all__ = [
     "RayEngine",
     "Revive",
     "Rollout",
+    "RolloutDump",
     "StepRunner",
     "TransportSync",
     "VLLMEngine",

@@ -93,9 +93,7 @@ def test_every_format_reads_back_the_same_rows(tmp_path, fmt) -> None:
     assert read_rows(str(path)) == ROWS
     (prompts,) = load_prompts(f"src={path}", DataConfig(), None).values()
     # Each prompt names its file (errors) and its source (routing, per-source metrics).
-    assert prompts == [
-        Prompt(r["input"], r["label"], str(path), source_name="src") for r in ROWS
-    ]
+    assert prompts == [Prompt(r["input"], r["label"], str(path), source_name="src") for r in ROWS]
 
 
 def test_max_samples_and_input_template_apply_to_every_source(tmp_path) -> None:

@@ -108,8 +108,11 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset, teacher) -> Non
             "--train.reward_func", str(_refill_reward(tmp_path)), "--eval.steps", "0",
             "--algo.rollout_correction.level", "sequence",  # a plain flag turns it on
         ],
-        # The other policy losses, on presets that would otherwise repeat the PPO loss.
-        "reinforce_baseline": ["--algo.policy_loss.name", "gspo"],
+        # The other policy losses, on presets that would otherwise repeat the PPO loss;
+        # REINFORCE++-baseline also oversamples: 6 prompts drawn for a batch of 4.
+        "reinforce_baseline": [
+            "--algo.policy_loss.name", "gspo", "--rollout.oversample_factor", "1.5",
+        ],
         # RLOO also trains with Muon (DeepSpeed's, ZeRO-2): its half's lr leads the groups.
         "rloo": [
             "--algo.policy_loss.name", "cispo",
@@ -155,6 +158,14 @@ def test_every_preset_trains_two_steps(assets, tmp_path, preset, teacher) -> Non
         # schedule scales both, so their ratio stays 20.
         for r in steps:
             assert r["actor/lr"] / r["actor/lr_adamw"] == pytest.approx(0.02 / 1e-3, rel=1e-9)
+    if preset == "reinforce_baseline":
+        # The first 4 groups to finish are trained on; the other 2 prompts' calls were
+        # cancelled or finished unneeded (no reward skips, no filter: nothing else).
+        for r in steps:
+            assert r["rollout/samples"] == 16.0
+            assert r["rollout/oversample_cancelled"] + r["rollout/oversample_unused"] == 2.0
+    else:
+        assert all("rollout/oversample_cancelled" not in r for r in steps)
     # GSPO's sequence-level ratio is its own metric; no other loss reports it.
     assert all(("actor/seq_ratio_mean" in r) == (preset == "reinforce_baseline") for r in steps)
     if preset == "dapo":
@@ -529,15 +540,17 @@ def test_every_problem_is_listed_at_once_before_anything_starts(assets, tmp_path
         "--data.prompt_data", str(assets["train"]), "--run_dir", str(tmp_path),
         "--rollout.n_samples_per_prompt", "0", "--train.ppo_epochs", "0",
         "--rollout.temperature", "0", "--rollout.top_p", "1.5", "--eval.n_samples", "0",
+        "--rollout.oversample_factor", "0.5",
     )  # fmt: skip
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
     expected = [
-        "5 problems in the configuration:",
+        "6 problems in the configuration:",
         "  - --rollout.n_samples_per_prompt must be >= 1, got 0",
         "  - --train.ppo_epochs must be >= 1, got 0",
         "  - --eval.n_samples must be >= 1, got 0",
         "  - --rollout.temperature must be > 0, got 0.0",
         "  - --rollout.top_p must be in (0, 1], got 1.5",
+        "  - --rollout.oversample_factor must be >= 1, got 0.5",
     ]
     for line in expected:
         assert line in out.stderr

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rlhf.agents import ExecutorResult, Trajectory, request_seed
+from rlhf.agents import ExecutorResult, Trajectory, merge_results, request_seed
 from rlhf.rollout.sampling import (
     EVALUATION,
     MAX_DRAWS,
@@ -52,11 +52,20 @@ class Prompts:
 
 class TableExecutor:
     """An `rlhf.agents.Executor` whose samples of prompt ``text`` score ``table[text]`` (fewer
-    scores than samples: the rest were dropped, as a reward's skip policy drops them)."""
+    scores than samples: the rest were dropped, as a reward's skip policy drops them). A call
+    over a prompt in ``waits`` first sleeps that many seconds (None: until cancelled; the
+    cancelled prompts are recorded)."""
 
-    def __init__(self, table: dict[str, Sequence[float]], *, version: int = 0) -> None:
-        self.table, self.version = table, version
+    def __init__(
+        self,
+        table: dict[str, Sequence[float]],
+        *,
+        version: int = 0,
+        waits: dict[str, float | None] | None = None,
+    ) -> None:
+        self.table, self.version, self.waits = table, version, waits or {}
         self.calls: list[tuple[list[str], int | None]] = []
+        self.cancelled: list[str] = []
 
     async def run(
         self,
@@ -68,8 +77,17 @@ class TableExecutor:
         seed: int | None = None,
     ) -> ExecutorResult:
         self.calls.append((list(prompts), seed))
+        for text in prompts:
+            if text in self.waits:
+                wait = self.waits[text]
+                try:
+                    await asyncio.sleep(3600 if wait is None else wait)
+                except asyncio.CancelledError:
+                    self.cancelled.append(text)
+                    raise
+        indices = list(prompt_indices) if prompt_indices is not None else range(len(prompts))
         out = []
-        for p, text in enumerate(prompts):
+        for p, text in zip(indices, prompts, strict=True):
             for s, score in enumerate(self.table[text][:n_samples_per_prompt]):
                 out.append(
                     Trajectory(
@@ -180,3 +198,91 @@ def test_staleness_and_evaluation() -> None:
         "eval/y/score_mean": 1.0,
     }
     assert [c[1] for c in executor.calls] == [request_seed(5, EVALUATION, i) for i in (0, 1)]
+
+
+def test_oversampling_keeps_the_first_groups_to_finish_and_cancels_the_rest() -> None:
+    # batch 2 × oversample 2.5 → 5 prompts, one call each, all under draw 0's seed. b, c and d
+    # answer at once, a after 50 ms and s never: b and c fill the batch, d finished too late
+    # to be needed, a and s are cancelled.
+    table = {t: [1.0, 0.0] for t in "abcds"}
+    table["d"] = [1.0]  # lost a sample: d's group is incomplete, so it is no candidate
+    table["c"] = [0.5, 0.5]
+    executor = TableExecutor(table, waits={"a": 0.05, "s": None})
+    rollout = asyncio.run(
+        sample_step(
+            1, batch_size=2, n_samples_per_prompt=2, prompts=Prompts(["a", "b", "c", "d", "s", "e"]),
+            executor=executor, seed=7, oversample=2.5,
+        )
+    )  # fmt: skip
+    assert sorted(c[0][0] for c in executor.calls) == ["a", "b", "c", "d", "s"]
+    assert {c[1] for c in executor.calls} == {request_seed(7, TRAINING, 1, 0)}
+    assert sorted(executor.cancelled) == ["a", "s"]
+    # The kept groups in draw order, each trajectory naming its prompt's place in the draw.
+    assert [(t.prompt_index, t.score) for t in rollout.trajectories] == [
+        (1, 1.0), (1, 0.0), (2, 0.5), (2, 0.5)
+    ]  # fmt: skip
+    assert rollout.sources == ["B", "B", "C", "C"]
+    m = rollout.metrics
+    assert m["rollout/oversample_cancelled"] == 2.0
+    assert m["rollout/oversample_unused"] == 0.0  # d finished, but incomplete
+    assert m["reward/failed"] == 1.0  # b's, c's and d's calls merged: d's one lost sample
+    assert m["data/prompts_crc32"] == zlib.crc32(b"a\x00b\x00c\x00d\x00s")
+    assert rollout.sampler_state == {"drawn": 5}
+    # Two that finish together for a batch of one: the first drawn is kept, the other unused.
+    rollout = asyncio.run(
+        sample_step(
+            0, batch_size=1, n_samples_per_prompt=2, prompts=Prompts(["c", "b"]),
+            executor=TableExecutor(table), oversample=2.0,
+        )
+    )  # fmt: skip
+    assert [t.score for t in rollout.trajectories] == [0.5, 0.5]
+    assert rollout.metrics["rollout/oversample_unused"] == 1.0
+    assert rollout.metrics["rollout/oversample_cancelled"] == 0.0
+
+
+def test_oversampling_draws_again_for_groups_the_filter_drops() -> None:
+    # Draw 0 needs 3 → ceil(4.5) = 5 prompts z a o m z, finishing together: the filter keeps
+    # a and m (z: all 0, o: all 1, dropped), so the batch of 3 lacks one. Draw 1 needs 1 →
+    # 2 prompts, a and (the list starts over) z: a is kept, z dropped.
+    table = {"a": [1.0, 0.0], "z": [0.0, 0.0], "o": [1.0, 1.0], "m": [0.0, 1.0]}
+    executor = TableExecutor(table)
+    rollout = asyncio.run(
+        sample_step(
+            0, batch_size=3, n_samples_per_prompt=2, prompts=Prompts(["z", "a", "o", "m", "z", "a"]),
+            executor=executor, keep_groups=_middle, oversample=1.5,
+        )
+    )  # fmt: skip
+    assert [t.score for t in rollout.trajectories] == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert rollout.sources == ["A", "A", "M", "M", "A", "A"]
+    assert rollout.metrics["rollout/dropped_groups"] == 4.0
+    assert rollout.metrics["rollout/oversample_unused"] == 0.0
+    assert rollout.metrics["rollout/oversample_cancelled"] == 0.0
+    assert rollout.sampler_state == {"drawn": 7}
+
+
+def test_oversampling_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="oversample must be at least 1, got 0.5"):
+        asyncio.run(
+            sample_step(
+                0, batch_size=1, n_samples_per_prompt=1, prompts=Prompts(["a"]),
+                executor=TableExecutor({"a": [1.0]}), oversample=0.5,
+            )
+        )  # fmt: skip
+
+
+def test_merged_results_weigh_means_by_samples() -> None:
+    one = ExecutorResult([], {"rollout/samples": 2.0, "x_mean": 1.0, "t_frac": 0.5, "n": 1.0})
+    two = ExecutorResult(
+        [], {"rollout/samples": 6.0, "x_mean": 3.0, "t_frac": 0.0, "n": 2.0, "k_max": 4.0},
+        failure="boom",
+    )  # fmt: skip
+    merged = merge_results([one, two, ExecutorResult([], {"k_max": 9.0, "k_min": -1.0})])
+    assert merged.metrics == {
+        "rollout/samples": 8.0,
+        "x_mean": (2 * 1.0 + 6 * 3.0) / 8,
+        "t_frac": (2 * 0.5) / 8,
+        "n": 3.0,
+        "k_max": 9.0,
+        "k_min": -1.0,
+    }
+    assert merged.failure == "boom"

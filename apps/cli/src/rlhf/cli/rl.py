@@ -416,6 +416,7 @@ class RLDriver:
                     c.algo, n_samples_per_prompt=c.rollout.n_samples_per_prompt
                 ),
                 seed=self.request_seed,
+                oversample=c.rollout.oversample_factor,
             )
         except EmptyStepError as exc:  # the run stops: exit 1, the causes in one message
             raise RunError(str(exc)) from None

@@ -52,6 +52,12 @@ class RolloutConfig:
             losses and weights equal the dumping run's bit for bit. Refused when the dump
             came from another starting policy, batch, group size or temperature, or holds
             fewer steps than the run.
+        oversample_factor: Draw this many times the prompts a step needs and train on the
+            first prompt groups to finish (in draw order), cancelling the rest in vLLM: the
+            step stops waiting for its longest samples (`rlhf.rollout.sample_step`). The
+            prompts drawn beyond the batch are used up; which groups finish first depends on
+            timing, so a run with a factor above 1 is not reproducible sample for sample.
+            1 (default): every drawn prompt is trained on.
     """
 
     batch_size: int = 16
@@ -64,6 +70,7 @@ class RolloutConfig:
     seed_requests: bool = True
     dump_dir: str = ""
     replay_dir: str = ""
+    oversample_factor: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

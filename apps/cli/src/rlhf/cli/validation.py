@@ -68,6 +68,11 @@ def range_problems(config: RLConfig) -> list[str]:
         problems.append(f"--eval.temperature must be >= 0, got {e.temperature}")
     if not 0 < r.top_p <= 1:
         problems.append(f"--rollout.top_p must be in (0, 1], got {r.top_p}")
+    if not r.oversample_factor >= 1:
+        problems.append(
+            f"--rollout.oversample_factor must be >= 1, got {r.oversample_factor} (1 trains on "
+            "every prompt drawn; 1.5 draws half again as many and keeps the first to finish)"
+        )
     if r.top_k != -1 and r.top_k < 1:
         problems.append(f"--rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
     return problems + reward_problems(config) + config.plan.problems()

@@ -29,7 +29,7 @@ from rlhf.agents.rewards import (
     parse_reward_output,
 )
 from rlhf.agents.seeds import group_seed, nth_sample, request_seed, seeded
-from rlhf.agents.single_turn import Executor, ExecutorResult, SingleTurnExecutor
+from rlhf.agents.single_turn import Executor, ExecutorResult, SingleTurnExecutor, merge_results
 from rlhf.agents.tokens import ChatTurns, Tokenizer, encode_prompt
 from rlhf.agents.types import (
     FinishReason,
@@ -77,6 +77,7 @@ __all__ = [
     "has_chat_template",
     "load_module",
     "load_symbol",
+    "merge_results",
     "nth_sample",
     "parse_reward_output",
     "request_seed",

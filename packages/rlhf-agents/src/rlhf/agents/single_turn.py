@@ -31,6 +31,39 @@ class ExecutorResult:
     failure: str = ""
 
 
+MEANS = ("_mean", "_frac")
+"""Suffixes of an executor metric that is a mean over the call's samples (``rollout/samples``
+of them); ``_max`` and ``_min`` are extremes; any other metric is a count."""
+
+
+def merge_results(results: Sequence[ExecutorResult]) -> ExecutorResult:
+    """One `ExecutorResult` of several calls' (each over its own prompts): the trajectories in
+    call order, the first failure, and each metric merged by its name — a mean (`MEANS`)
+    weighted by each call's ``rollout/samples`` (1 where a call does not report it), ``_max``
+    the largest, ``_min`` the smallest, any other the sum."""
+    merged: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for result in results:
+        weight = result.metrics.get("rollout/samples", 1.0)
+        for key, value in result.metrics.items():
+            if key.endswith(MEANS):
+                merged[key] = merged.get(key, 0.0) + weight * value
+                weights[key] = weights.get(key, 0.0) + weight
+            elif key.endswith("_max"):
+                merged[key] = max(merged.get(key, value), value)
+            elif key.endswith("_min"):
+                merged[key] = min(merged.get(key, value), value)
+            else:
+                merged[key] = merged.get(key, 0.0) + value
+    for key, total in weights.items():
+        merged[key] = merged[key] / total if total else 0.0
+    return ExecutorResult(
+        trajectories=[t for r in results for t in r.trajectories],
+        metrics=merged,
+        failure=next((r.failure for r in results if r.failure), ""),
+    )
+
+
 class Executor(Protocol):
     """What turns a batch of prompts into scored trajectories: `SingleTurnExecutor`,
     `MultiTurnExecutor`, `OpenAIAgentExecutor` and the OpenRLHF agent runner alike."""

@@ -3,8 +3,12 @@
 - `sample_step`: draw a step's prompts from a `PromptSource`, sample ``n`` per prompt, keep the
   prompt groups that are complete (a reward's ``skip`` policy can drop samples), and, with a
   `GroupFilter` (dynamic filtering: ``rlhf.algos.dynamic_filter``), drop the groups it rejects
-  and draw again for the missing ones, at most `MAX_DRAWS` times. The result is a
-  `rlhf.rollout.Rollout` with the step's metrics and the source's state after the draws.
+  and draw again for the missing ones, at most `MAX_DRAWS` times. With ``oversample`` > 1 a
+  draw asks for that many times the prompts it needs, one executor call per prompt, keeps the
+  first complete groups to finish (in draw order) and cancels the rest: the step no longer
+  waits for its slowest group (the long tail), at the price of samples that depend on timing.
+  The result is a `rlhf.rollout.Rollout` with the step's metrics and the source's state after
+  the draws.
 - `evaluate`: `pass_at` of each evaluation source's prompts, at fixed request seeds.
 - `staleness`, `samples_digest`: what a step's samples say about themselves.
 
@@ -15,12 +19,15 @@ Request seeds come from `rlhf.agents.request_seed` under one run seed, in two st
 from __future__ import annotations
 
 import array
+import asyncio
+import math
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from rlhf.agents import Executor, Trajectory, request_seed
+from rlhf.agents import Executor, ExecutorResult, Trajectory, merge_results, request_seed
 from rlhf.rollout.schedule import Rollout
 
 TRAINING, EVALUATION = 0, 1
@@ -104,6 +111,102 @@ _KEPT_METRICS = ("rollout/truncated", "rollout/prompts_truncated", "reward/", "e
 """The executor's metrics of a step's first draw that the step reports."""
 
 
+@dataclass
+class _Draw:
+    """What one draw of a step gave: its complete groups that the filter kept (each a
+    prompt's samples, in draw order) and what happened to the others."""
+
+    groups: list[list[Trajectory]] = field(default_factory=list)
+    result: ExecutorResult = field(default_factory=lambda: ExecutorResult([]))
+    incomplete: int = 0
+    dropped: int = 0
+    unused: int = 0
+    """Complete, kept groups that finished after the draw had what it needed."""
+    cancelled: int = 0
+    """Prompts whose executor call was cancelled unfinished."""
+
+
+def _sort_groups(
+    groups: Sequence[list[Trajectory]], keep_groups: GroupFilter | None, draw: _Draw
+) -> list[list[Trajectory]]:
+    """The groups ``keep_groups`` keeps (all of them without a filter); counts the others."""
+    if keep_groups is None or not groups:
+        return list(groups)
+    keep = list(keep_groups([[float(tr.score) for tr in g] for g in groups]))
+    draw.dropped += len(groups) - sum(keep)
+    return [g for g, k in zip(groups, keep, strict=True) if k]
+
+
+async def _draw_all(
+    executor: Executor,
+    drawn: Sequence[Prompt],
+    *,
+    n: int,
+    seed: int | None,
+    keep_groups: GroupFilter | None,
+) -> _Draw:
+    """Every drawn prompt's group from one executor call."""
+    draw = _Draw()
+    draw.result = await executor.run(
+        prompts=[p.text for p in drawn],
+        labels=[p.label for p in drawn],
+        n_samples_per_prompt=n,
+        seed=seed,
+    )
+    groups = complete_groups(draw.result.trajectories, n)
+    draw.incomplete = len({t.prompt_index for t in draw.result.trajectories}) - len(groups)
+    draw.groups = _sort_groups(groups, keep_groups, draw)
+    return draw
+
+
+async def _draw_first(
+    executor: Executor,
+    drawn: Sequence[Prompt],
+    *,
+    n: int,
+    need: int,
+    seed: int | None,
+    keep_groups: GroupFilter | None,
+) -> _Draw:
+    """The first ``need`` groups to finish of the drawn prompts (one executor call each, all
+    at once; a prompt's samples and seeds are what one call over every prompt would give),
+    ordered as drawn; the calls still running then are cancelled."""
+    calls = {
+        asyncio.ensure_future(
+            executor.run(
+                prompts=[p.text], labels=[p.label], n_samples_per_prompt=n,
+                prompt_indices=[i], seed=seed,
+            )
+        ): i
+        for i, p in enumerate(drawn)
+    }  # fmt: skip
+    draw = _Draw()
+    kept: dict[int, list[Trajectory]] = {}
+    results: list[ExecutorResult] = []
+    pending = set(calls)
+    try:
+        while pending and len(kept) < need:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=calls.__getitem__):
+                result = task.result()
+                results.append(result)
+                groups = complete_groups(result.trajectories, n)
+                draw.incomplete += len({t.prompt_index for t in result.trajectories}) - len(groups)
+                for group in _sort_groups(groups, keep_groups, draw):
+                    if len(kept) < need:
+                        kept[calls[task]] = group
+                    else:
+                        draw.unused += 1
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    draw.cancelled = len(pending)
+    draw.groups = [kept[i] for i in sorted(kept)]
+    draw.result = merge_results(results)
+    return draw
+
+
 async def sample_step(
     step: int,
     *,
@@ -113,6 +216,7 @@ async def sample_step(
     executor: Executor,
     keep_groups: GroupFilter | None = None,
     seed: int | None = None,
+    oversample: float = 1.0,
 ) -> Rollout:
     """``batch_size`` prompt groups of ``n_samples_per_prompt`` samples for step ``step``
     (0-based), from whatever weights the executor's engines hold.
@@ -122,24 +226,33 @@ async def sample_step(
             further draws (`MAX_DRAWS` in all); None keeps every complete group of one draw.
         seed: The run's seed when requests are seeded: draw ``a`` of the step seeds its
             requests from ``request_seed(seed, TRAINING, step, a)``.
+        oversample: A draw that needs ``k`` groups draws ``ceil(k * oversample)`` prompts and
+            keeps the first ``k`` complete, kept groups to finish; the prompts drawn beyond
+            them are used up. 1 (default): one executor call over the ``k`` prompts.
 
     Returns:
         The `Rollout`: at most ``batch_size * n_samples_per_prompt`` trajectories, whole
         groups in draw order; metrics ``rollout/dropped_groups``, ``data/prompts_crc32`` (of
         the prompt texts drawn), ``rollout/samples_crc32`` (`samples_digest`),
         ``time/generation_s`` and the first draw's truncation, reward and environment
-        metrics; ``sampler_state``: ``prompts.state_dict()`` after the draws; ``sources``:
-        each trajectory's ``Prompt.source_name``.
+        metrics (with ``oversample`` > 1, of its calls that finished, merged by
+        `rlhf.agents.merge_results`, and ``rollout/oversample_cancelled`` /
+        ``rollout/oversample_unused``: prompts cancelled unfinished / groups that finished
+        after the batch was full); ``sampler_state``: ``prompts.state_dict()`` after the
+        draws; ``sources``: each trajectory's ``Prompt.source_name``.
 
     Raises:
         EmptyStepError: No sample is left (`empty_step_message` says why).
+        ValueError: ``oversample`` < 1.
     """
+    if not oversample >= 1:
+        raise ValueError(f"oversample must be at least 1, got {oversample}")
     n = n_samples_per_prompt
     tick = time.perf_counter()
     trajectories: list[Trajectory] = []
     sources: list[str] = []
     first_metrics: Mapping[str, float] = {}
-    dropped_groups = incomplete = 0
+    dropped_groups = incomplete = cancelled = unused = 0
     lost: dict[str, float] = {}
     failure = ""
     digest = 0
@@ -147,26 +260,25 @@ async def sample_step(
         need = batch_size - len(trajectories) // n
         if need <= 0:
             break
-        drawn = prompts.next(need)
+        drawn = prompts.next(math.ceil(need * oversample))
         digest = zlib.crc32("\x00".join(p.text for p in drawn).encode(), digest)
-        result = await executor.run(
-            prompts=[p.text for p in drawn],
-            labels=[p.label for p in drawn],
-            n_samples_per_prompt=n,
-            seed=None if seed is None else request_seed(seed, TRAINING, step, attempt),
-        )
-        first_metrics = result.metrics if attempt == 0 else first_metrics
+        draw_seed = None if seed is None else request_seed(seed, TRAINING, step, attempt)
+        if oversample > 1:
+            draw = await _draw_first(
+                executor, drawn, n=n, need=need, seed=draw_seed, keep_groups=keep_groups
+            )
+        else:
+            draw = await _draw_all(executor, drawn, n=n, seed=draw_seed, keep_groups=keep_groups)
+        first_metrics = draw.result.metrics if attempt == 0 else first_metrics
         for key in ("env/skipped", "reward/failed"):
-            lost[key] = lost.get(key, 0.0) + result.metrics.get(key, 0.0)
-        failure = failure or result.failure
-        groups = complete_groups(result.trajectories, n)
-        incomplete += len({t.prompt_index for t in result.trajectories}) - len(groups)
-        if keep_groups is not None and groups:
-            keep = list(keep_groups([[float(tr.score) for tr in g] for g in groups]))
-            dropped_groups += len(groups) - sum(keep)
-            groups = [g for g, k in zip(groups, keep, strict=True) if k]
-        trajectories += [tr for g in groups for tr in g]
-        sources += [drawn[tr.prompt_index].source_name for g in groups for tr in g]
+            lost[key] = lost.get(key, 0.0) + draw.result.metrics.get(key, 0.0)
+        failure = failure or draw.result.failure
+        incomplete += draw.incomplete
+        dropped_groups += draw.dropped
+        cancelled += draw.cancelled
+        unused += draw.unused
+        trajectories += [tr for g in draw.groups for tr in g]
+        sources += [drawn[tr.prompt_index].source_name for g in draw.groups for tr in g]
     trajectories = trajectories[: batch_size * n]
     sources = sources[: batch_size * n]
     if not trajectories:
@@ -183,6 +295,9 @@ async def sample_step(
         **{k: float(v) for k, v in first_metrics.items() if k.startswith(_KEPT_METRICS)},
         "time/generation_s": time.perf_counter() - tick,
     }
+    if oversample > 1:
+        metrics["rollout/oversample_cancelled"] = float(cancelled)
+        metrics["rollout/oversample_unused"] = float(unused)
     return Rollout(
         step=step,
         trajectories=trajectories,

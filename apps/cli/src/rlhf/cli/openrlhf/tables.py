@@ -265,8 +265,9 @@ def _ppo_rows() -> list[Row]:
         "rollout.vllm_generate_batch_size",
         "one",
         Notice(
-            "every request of a step goes to the engines at once; "
-            "--vllm.max_num_seqs bounds a batch"
+            "every request of a step goes to the engines at once (--vllm.max_num_seqs bounds "
+            "a batch) and no samples are kept for later steps; --rollout.oversample_factor "
+            "draws extra prompts and trains on the first groups to finish"
         ),
     )
     add(

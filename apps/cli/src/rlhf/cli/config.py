@@ -27,6 +27,7 @@ from rlhf.cli.sections import (
 )
 from rlhf.cli.validation import problems
 from rlhf.learner import DataConfig
+from rlhf.learner.prompts import named_items
 
 
 class ConfigError(ValueError):
@@ -124,20 +125,13 @@ class RLConfig:
 
     def teacher_paths(self) -> dict[str, str]:
         """``--teacher.model.path`` read: ``{"": path}`` for one teacher of every prompt, or
-        ``{source: path}`` for teachers by data source (``source=path`` pairs, split on the
-        last ``=`` as ``--data.prompt_data`` is); empty without a teacher. Entries without a
-        name or a path are kept as given for `rlhf.cli.validation` to name."""
-        spec = self.teacher.model.path
-        if not spec.strip():
-            return {}
-        items = [item for item in spec.split(",") if item.strip()]
-        if len(items) == 1 and "=" not in items[0]:
-            return {"": items[0].strip()}
-        paths: dict[str, str] = {}
-        for item in items:
-            name, _, path = item.rpartition("=")
-            paths[name.strip()] = path.strip()
-        return paths
+        ``{source: path}`` for teachers by data source (``source=path`` pairs, split as
+        ``--data.prompt_data`` is: `rlhf.learner.prompts.named_items`); empty without a
+        teacher. Entries without a name or a path are kept for `rlhf.cli.validation` to name."""
+        items = named_items(self.teacher.model.path)
+        if len(items) == 1 and not items[0][0]:
+            return {"": items[0][1]}
+        return dict(items)
 
     def teacher_roles(self) -> dict[str, tuple[str, str]]:
         """Each teacher's role name (`teacher_role`) → (data source, model path)."""

@@ -50,12 +50,13 @@ from rlhf.learner import state_codec
 from rlhf.learner.backend import Objective
 from rlhf.learner.batch import Batch
 from rlhf.learner.build_locks import naming_build_locks
-from rlhf.learner.config import DeepSpeedConfig, LearnerConfig, OptimizerConfig
+from rlhf.learner.config import DeepSpeedConfig, LearnerConfig
 from rlhf.learner.context_parallel import check_group_size, shard_sequence
 from rlhf.learner.export import write_hf_export
 from rlhf.learner.forward import check_chunked_lm_head, check_packing
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
-from rlhf.learner.optim import build_optimizer, lr_lambda, param_groups
+from rlhf.learner.muon import muon_arguments, muon_section
+from rlhf.learner.optim import build_optimizer
 from rlhf.learner.tensor_parallel import (
     ShardLayout,
     autotp_section,
@@ -128,24 +129,6 @@ def ds_config(config: LearnerConfig, ds: DeepSpeedConfig) -> dict[str, Any]:
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
-    }
-
-
-def muon_section(opt: OptimizerConfig) -> dict[str, Any]:
-    """DeepSpeed's ``optimizer`` section for its built-in Muon (`OptimizerConfig.name`
-    ``muon``): ``muon_lr`` and ``momentum`` for the hidden matrices, ``adam_lr``, ``betas``
-    and ``eps`` for the rest; the groups' own ``weight_decay`` (`param_groups`) wins."""
-    return {
-        "type": "Muon",
-        "params": {
-            "lr": opt.lr,
-            "muon_lr": opt.muon_lr,
-            "adam_lr": opt.lr,
-            "momentum": opt.muon_momentum,
-            "betas": list(opt.betas),
-            "eps": opt.eps,
-            "weight_decay": opt.weight_decay,
-        },
     }
 
 
@@ -246,31 +229,20 @@ class DeepSpeedBackend:
         self.engine: Any = None
         self.scheduler: Any = None
         self._zero0_grad_norm: float | None = None
-        if config.optimizer is not None and config.optimizer.name == "muon":
-            # DeepSpeed builds its Muon itself (`muon_section`), over our parameter groups
-            # (no decay for norms and biases), and the schedule over both of its halves.
-            schedule = lr_lambda(config.optimizer)
+        if config.optimizer is not None:
+            optimizer: torch.optim.Optimizer | None = None
+            if config.optimizer.name == "muon":  # DeepSpeed builds it (`rlhf.learner.muon`)
+                arguments = muon_arguments(model, config.optimizer)
+            else:
+                optimizer, scheduler = build_optimizer(model, config.optimizer)
+                arguments = {"optimizer": optimizer, "lr_scheduler": scheduler}
+            # DeepSpeed annotates model_parameters as a Module and lr_scheduler as the
+            # deprecated `_LRScheduler`; it takes parameter groups and any `LRScheduler`.
             self.engine, _, _, self.scheduler = deepspeed_lib.initialize(
-                model=model,
-                # DeepSpeed annotates model_parameters as a Module; it takes parameter groups.
-                model_parameters=param_groups(model, config.optimizer.weight_decay),  # pyright: ignore[reportArgumentType]
-                lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule),  # pyright: ignore[reportArgumentType]
-                config=self._ds_config,
+                model=model, config=self._ds_config, **arguments
             )
             self.engine.checkpoint_engine = SafetensorsEngineFiles(self.engine.checkpoint_engine)
-            self._module = self.engine.module
-        elif config.optimizer is not None:
-            optimizer, scheduler = build_optimizer(model, config.optimizer)
-            # DeepSpeed annotates lr_scheduler as the deprecated `_LRScheduler`; it takes any
-            # `LRScheduler`, such as this LambdaLR.
-            self.engine, _, _, self.scheduler = deepspeed_lib.initialize(
-                model=model,
-                optimizer=optimizer,
-                lr_scheduler=scheduler,  # pyright: ignore[reportArgumentType]
-                config=self._ds_config,
-            )
-            self.engine.checkpoint_engine = SafetensorsEngineFiles(self.engine.checkpoint_engine)
-            if _owns_clipping(config, ds):
+            if optimizer is not None and _owns_clipping(config, ds):
                 optimizer.register_step_pre_hook(self._clip_zero0_gradients)
             self._module: torch.nn.Module = self.engine.module
             if _compiled(config, ds):

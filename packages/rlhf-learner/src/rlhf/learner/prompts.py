@@ -184,16 +184,20 @@ def load_prompts(
     return out
 
 
-def source_names(spec: str) -> list[tuple[str, str]]:
-    """(name, path) of each comma-separated source of ``spec`` (``path`` or ``name=path``,
-    split on the last ``=``; an unnamed source is named by its file's stem), in order;
-    nothing is read."""
+def named_items(spec: str) -> list[tuple[str, str]]:
+    """(name, value) of each comma-separated item of ``spec`` (``value`` or ``name=value``,
+    split on the last ``=``; the name empty where none is given), stripped, in order."""
     out = []
     for item in [s for s in spec.split(",") if s.strip()]:
-        name, _, path = item.rpartition("=")
-        path = path.strip()
-        out.append((name.strip() or pathlib.Path(path).stem, path))
+        name, _, value = item.rpartition("=")
+        out.append((name.strip(), value.strip()))
     return out
+
+
+def source_names(spec: str) -> list[tuple[str, str]]:
+    """(name, path) of each source of ``spec`` (`named_items`; an unnamed source is named by
+    its file's stem), in order; nothing is read."""
+    return [(name or pathlib.Path(path).stem, path) for name, path in named_items(spec)]
 
 
 class PromptSampler:

@@ -210,14 +210,19 @@ def _check_distill(stdout: str, steps: list[dict]) -> None:
 def _check_replay(args, extra, run_dir, steps) -> None:
     """A run that trains on the dumped rollouts instead of sampling reproduces the dumping
     run's training bit for bit: the same samples, losses and gradient norms at every step,
-    and the same final weights."""
+    and the same final weights. Evaluating nothing, it starts no vLLM engine at all."""
     again = run_dir / "replay"
     args = [str(again) if a == str(run_dir) else a for a in args]
-    extra = list(extra)
+    args[args.index("--eval.steps") + 1] = "0"
+    extra = [a for a in extra if a not in ("--eval.best_metric", "eval/sort4/pass@1")]
     extra[extra.index("--rollout.dump_dir")] = "--rollout.replay_dir"
     out = rlhf("train", "grpo", *args, *extra)
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"[plan] replay: training on the rollouts of {run_dir / 'dump'}" in out.stdout
+    assert "[startup] starting 0 vLLM engine(s)" in out.stdout
+    placed = json.loads((again / "placement.json").read_text())
+    assert placed["engines"]["pids"] == [] and placed["actor"]["pids"], placed
+    assert not (again / "sync.json").exists()
     replayed = [r for r in _rows(again / "metrics.jsonl") if "reward/mean" in r]
     keys = ("rollout/samples_crc32", "reward/mean", "actor/loss", "actor/grad_norm")
     assert [[r[k] for k in keys] for r in replayed] == [[r[k] for k in keys] for r in steps]

@@ -1,5 +1,6 @@
 """``--rollout.dump_dir`` and ``--rollout.replay_dir``: where an RL run writes the rollouts it
-trains on, and where it reads them instead of sampling (`rlhf.rollout.RolloutDump`).
+trains on, and where it reads them instead of sampling (`rlhf.rollout.RolloutDump`). A
+replay that evaluates nothing starts no vLLM engine (`needs_engines`).
 
 A dump records what produced its samples (`dump_meta`); a replay is refused unless the
 starting policy's weights (`rlhf.learner.checkpoint_digest`), the batch, the group size and
@@ -37,6 +38,14 @@ def dump_meta(config: RLConfig) -> dict[str, Any]:
         "rollout.max_new_tokens": r.max_new_tokens,
         "train.seed": config.train.seed,
     }
+
+
+def needs_engines(config: RLConfig) -> bool:
+    """Whether the run samples at all: a replay (``--rollout.replay_dir``) samples only to
+    evaluate, so without ``--data.eval_data`` or with ``--eval.steps 0`` it starts no vLLM
+    engine and syncs no weights."""
+    evaluates = bool(config.data.eval_data.strip()) and config.eval.steps > 0
+    return not config.rollout.replay_dir or evaluates
 
 
 def open_dumps(config: RLConfig) -> tuple[RolloutDump | None, RolloutDump | None]:

@@ -53,7 +53,7 @@ class RevivableRun(Protocol):
     def train(self) -> TrainConfig: ...
 
     roles: Roles
-    transport: Transport
+    transport: Transport | None
     log: MetricsSink
     echo: Callable[[str], None]
 
@@ -92,7 +92,9 @@ class EngineReviver:
         self._lock = threading.Lock()
 
     async def __call__(self, index: int) -> RayEngine:
-        dead = self.driver.roles.pool.engines[index]
+        pool = self.driver.roles.pool
+        assert pool is not None  # revival is enabled only over a pool
+        dead = pool.engines[index]
         return await asyncio.to_thread(self.restart, index, dead)
 
     def restart(self, index: int, dead: Any) -> RayEngine:
@@ -100,6 +102,7 @@ class EngineReviver:
         already in its place when another caller restarted it first."""
         roles, transport = self.driver.roles, self.driver.transport
         assert roles.launch is not None
+        assert roles.pool is not None
         assert isinstance(transport, (SenderTransport, GroupTransport))
         with self._lock:
             if roles.engines[index] is not dead:
@@ -147,7 +150,7 @@ def enable_revival(
     why = why_not_revivable(
         kind, gpu=gpu, colocated=train.colocate_all, asynchronous=train.async_enable
     )
-    if why is not None or driver.roles.launch is None:
+    if why is not None or driver.roles.launch is None or driver.roles.pool is None:
         echo(f"[plan] faults: a dead vLLM engine stops the run ({why or 'no launch recorded'})")
         return
     reviver = EngineReviver(driver)

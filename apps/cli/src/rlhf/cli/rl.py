@@ -33,7 +33,7 @@ from rlhf.cli.best import BestModel, check_metric
 from rlhf.cli.cluster import start_ray, start_ray_early
 from rlhf.cli.config import RLConfig, RunError, raise_problems
 from rlhf.cli.dry_run import plan
-from rlhf.cli.dumps import open_dumps
+from rlhf.cli.dumps import needs_engines, open_dumps
 from rlhf.cli.faults import actor_died, resume_hint
 from rlhf.cli.metrics import MetricsSink, Progress, open_sinks, plot_curves, summary_line
 from rlhf.cli.resume import check_resume
@@ -150,6 +150,7 @@ def run_rl(
     watch.lap("ray")
     echo(f"[plan] ray: {cluster.describe()}")
     t = config.train
+    with_engines = needs_engines(config)
     transport, why = choose_transport(
         t.weight_transport,
         gpu=cluster.gpu,
@@ -166,6 +167,7 @@ def run_rl(
         total_optimizer_steps=total_optimizer_steps,
         stopwatch=watch,
         echo=echo,
+        with_engines=with_engines,
     )
     executors.generator = roles.pool
     if roles.turns is not None:
@@ -178,10 +180,13 @@ def run_rl(
     if threads:
         each = ", ".join(f"{name} {n}" for name, n in threads.items())
         echo(f"[plan] CPU threads per learner rank while it computes (the engines wait): {each}")
-    echo(
-        f"[plan] weight sync: {transport} ({why}), {bucket} MiB buckets, "
-        f"read-back {config.verify_mode}"
-    )
+    if with_engines:
+        echo(
+            f"[plan] weight sync: {transport} ({why}), {bucket} MiB buckets, "
+            f"read-back {config.verify_mode}"
+        )
+    else:
+        echo("[plan] no vLLM engine: the replay evaluates nothing, so nothing samples")
     finished = False
     try:
         driver = RLDriver(
@@ -193,7 +198,9 @@ def run_rl(
                 engines=roles.engines,
                 verify=config.verify_mode,
                 bucket_bytes=bucket << 20,
-            ),
+            )
+            if with_engines
+            else None,
             sampler=sampler,
             executors=executors,
             eval_prompts=eval_prompts,
@@ -206,7 +213,8 @@ def run_rl(
             replay=replay,
         )
         driver.carried_metrics.update(data_metrics)
-        enable_revival(driver, kind=transport, gpu=cluster.gpu, echo=echo)  # rlhf.cli.revive
+        if with_engines:
+            enable_revival(driver, kind=transport, gpu=cluster.gpu, echo=echo)  # rlhf.cli.revive
         (run_dir / "placement.json").write_text(json.dumps(roles.report_placement(), indent=1))
         watch.lap("roles")
         start, queue = driver.resume(resume_from) if resume_from is not None else (0, [])
@@ -222,8 +230,9 @@ def run_rl(
                 if (run_dir / name).is_dir():
                     tokenizer.save_pretrained(run_dir / name)
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
-        driver.transport.close()
-        (run_dir / "sync.json").write_text(json.dumps(report(transport, why, roles.engines)))
+        if driver.transport is not None:
+            driver.transport.close()
+            (run_dir / "sync.json").write_text(json.dumps(report(transport, why, roles.engines)))
         finished = True
         return {"last": driver.last, "evaluations": driver.evaluations}
     except (RayActorError, EngineDiedError) as exc:
@@ -327,7 +336,8 @@ class RLDriver:
 
     config: RLConfig
     roles: Roles
-    transport: Transport
+    transport: Transport | None
+    """None without engines (`rlhf.cli.dumps.needs_engines`): nothing to sync."""
     sampler: PromptSampler
     executors: Executors
     eval_prompts: dict[str, list[Prompt]]
@@ -478,6 +488,8 @@ class RLDriver:
         }
 
     def sync(self, version: int, *, pause: bool) -> dict[str, Any]:
+        if self.transport is None:
+            return {}
         engines = self.roles.engines if pause else []
         paused = sum(e.pause() for e in engines)
         self.enter("sync")

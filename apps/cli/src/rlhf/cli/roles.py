@@ -70,8 +70,10 @@ class Roles:
     """A run's processes.
 
     Attributes:
-        engines: The vLLM engine actors.
-        pool: Load-aware dispatch over them (the executors' generator).
+        engines: The vLLM engine actors (none in a run that samples nothing:
+            `rlhf.cli.dumps.needs_engines`).
+        pool: Load-aware dispatch over them (the executors' generator); None without
+            engines.
         actor: The policy's ranks.
         ref: The reference (KL), or None.
         critic: The value model (GAE), or None.
@@ -83,7 +85,7 @@ class Roles:
     """
 
     engines: list[RayEngine]
-    pool: EnginePool
+    pool: EnginePool | None
     actor: LearnerGroup
     ref: LearnerGroup | None
     critic: LearnerGroup | None
@@ -334,13 +336,16 @@ def start_roles(
     total_optimizer_steps: int,
     stopwatch: Stopwatch | None = None,
     echo: Callable[[str], None] | None = None,
+    with_engines: bool = True,
 ) -> Roles:
     """Place and start every process of the run; they are ready when this returns (when
-    each became ready goes to ``stopwatch``, and as ``[startup]`` lines to ``echo``)."""
+    each became ready goes to ``stopwatch``, and as ``[startup]`` lines to ``echo``).
+    ``with_engines`` False: the learners alone (a run that samples nothing)."""
     learners = role_configs(config, total_optimizer_steps=total_optimizer_steps)
     say = echo or (lambda _line: None)
+    num_engines = config.vllm.num_engines if with_engines else 0
     say(
-        f"[startup] starting {config.vllm.num_engines} vLLM engine(s) and the "
+        f"[startup] starting {num_engines} vLLM engine(s) and the "
         + ", ".join(f"{name} ({role.num_ranks} rank{'s' * (role.num_ranks > 1)})"
                     for name, (role, _) in learners.items())
         + "…"
@@ -363,7 +368,7 @@ def start_roles(
         )
         warm = warm_roles()
         keys: dict[str, str] = {}
-        if launch.scheduling is None:
+        if with_engines and launch.scheduling is None:
             keys["engines"] = repr(launch)
         # Warm engines are taken over once the learners build (their reset overlaps the
         # builds); new ones start first, the slowest role (and on shared GPUs, before the
@@ -371,7 +376,7 @@ def start_roles(
         warm_engines = warm is not None and "engines" in keys
         ready: dict[str, float] = {}
         pending: dict[str, Sequence[Any]] = {}
-        if not warm_engines:
+        if with_engines and not warm_engines:
             engines = launch.start(wait=not side_by_side)
             if side_by_side:
                 pending["engines"] = [e.ready() for e in engines]
@@ -435,7 +440,11 @@ def start_roles(
             )
         return Roles(
             engines=engines,
-            pool=EnginePool(engines, max_in_flight_per_engine=2 * config.vllm.max_num_seqs),
+            pool=(
+                EnginePool(engines, max_in_flight_per_engine=2 * config.vllm.max_num_seqs)
+                if engines
+                else None
+            ),
             actor=groups["actor"],
             ref=groups.get("ref"),
             critic=groups.get("critic"),
@@ -443,7 +452,7 @@ def start_roles(
             teachers={source: groups[name] for name, (source, _) in config.teacher_roles().items()},
             placement=placement,
             turns=turns,
-            launch=launch,
+            launch=launch if with_engines else None,
             warm_keys=keys,
         )
     except BaseException:

@@ -48,10 +48,11 @@ class RolloutConfig:
             versions, metrics) here as it trains (`rlhf.rollout.RolloutDump`: safetensors +
             JSON), beside a record of the policy and sampling settings that produced it.
         replay_dir: Train on the rollouts dumped there instead of sampling: the engines
-            sample nothing for training (they still evaluate), and with the dump's seed the
-            losses and weights equal the dumping run's bit for bit. Refused when the dump
-            came from another starting policy, batch, group size or temperature, or holds
-            fewer steps than the run.
+            sample nothing for training (they still evaluate; with no evaluation, no
+            ``--data.eval_data`` or ``--eval.steps 0``, no vLLM engine starts), and with the
+            dump's seed the losses and weights equal the dumping run's bit for bit. Refused
+            when the dump came from another starting policy, batch, group size or
+            temperature, or holds fewer steps than the run.
         oversample_factor: Draw this many times the prompts a step needs and train on the
             first prompt groups to finish (in draw order), cancelling the rest in vLLM: the
             step stops waiting for its longest samples (`rlhf.rollout.sample_step`). The

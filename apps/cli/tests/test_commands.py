@@ -513,9 +513,9 @@ def test_muon_where_it_cannot_run_is_refused_by_flag(assets, tmp_path, capsys) -
              "--actor.max_norm): DeepSpeed's Muon clips after its Newton-Schulz step"),
         (["--actor.optimizer.grad_clip", "0", "--actor.deepspeed.zero_stage", "0"],
          "--actor.optimizer.name muon needs --actor.deepspeed.zero_stage 1, 2 or 3"),
-        (["--actor.optimizer.grad_clip", "0", "--actor.backend", "molt"],
-         "FSDP2 shards every weight matrix across the ranks and Muon orthogonalises whole "
-         "matrices"),
+        (["--actor.backend", "molt", "--actor.fsdp.offload", "optimizer"],
+         "--actor.optimizer.name muon with --actor.fsdp.offload optimizer: the host-side "
+         "optimizer is AdamW only"),
     ]  # fmt: skip
     for args, message in cases:
         assert main([*base, *args]) == 2, args

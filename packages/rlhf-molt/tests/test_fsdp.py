@@ -31,6 +31,7 @@ from rlhf.learner import (
     stream_weights,
 )
 from rlhf.learner import checkpoint as ckpt
+from rlhf.learner.muon import build_muon
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt import FSDPBackend, FSDPConfig, FSDPConfigError
 from rlhf.weights import iter_tensors, validate_sync
@@ -127,6 +128,49 @@ def test_dcp_resume_continues_bit_for_bit(group, tiny, tokenizer, tmp_path) -> N
     resumed = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
     for a, b in zip(resumed, uninterrupted, strict=True):
         assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"])
+    state = full_state(group)
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_muon_step_equals_one_process_and_resumes_bit_for_bit(group, tiny, tokenizer, tmp_path):
+    """Muon on 2 FSDP2 ranks: each hidden matrix's update orthogonalised whole (gathered from
+    its shards) gives the weights one process's `MuonAdamW` step gives, clipped gradients
+    included (molt clips before the optimizer); ``lr`` is Muon's half's, ``lr_adamw``
+    AdamW's; and a checkpoint (momentum buffers and Adam moments in DCP shards) resumes
+    exactly."""
+    cfg = config(tiny)
+    assert cfg.optimizer is not None
+    opt = dataclasses.replace(
+        cfg.optimizer, name="muon", muon_lr=0.02, muon_momentum=0.9, grad_clip=0.5
+    )
+    cfg = dataclasses.replace(cfg, optimizer=opt)
+    batch = sft_batch(tokenizer)
+    objective = SFTObjective(normalizer=float(batch["loss_mask"].sum()))
+    model = Qwen2ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    optimizer, scheduler = build_muon(model, opt)
+    loss, _ = objective(model, batch)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    scheduler.step()
+    group.build(cfg, backend=MOLT)
+    out = group.train_step(batch, objective, max_rows=3)
+    assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(float(norm), rel=1e-4)
+    lrs = [g["lr"] for g in optimizer.param_groups]  # the schedule's next, one factor for both
+    assert (out["lr"], out["lr_adamw"]) == (lrs[0], lrs[-1])
+    assert out["lr"] / out["lr_adamw"] == pytest.approx(0.02 / 1e-3, rel=1e-12)
+    state = full_state(group)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(state[name], param.detach(), rtol=0, atol=2e-6, msg=name)
+    path = group.save(str(tmp_path), 1, client_state={"step": 1}, keep=2)
+    uninterrupted = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
+    expected = full_state(group)
+    group.build(cfg, backend=MOLT)
+    assert group.load(path) == {"step": 1}
+    resumed = [group.train_step(batch, objective, max_rows=3) for _ in range(2)]
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
     state = full_state(group)
     assert all(torch.equal(state[k], expected[k]) for k in expected)
 

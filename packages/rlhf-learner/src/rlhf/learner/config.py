@@ -117,7 +117,8 @@ class OptimizerConfig:
             momentum ``muon_momentum``, orthogonalised by 5 Newton–Schulz iterations, scaled by
             sqrt(max(1, rows/cols)), at ``muon_lr``) and every other parameter (embeddings,
             lm_head, norms, biases) by AdamW at ``lr`` (OpenRLHF's ``--actor.optim muon``).
-            DeepSpeed's built-in Muon runs it (ZeRO 1–3); both halves follow the schedule.
+            DeepSpeed's built-in Muon runs it (ZeRO 1–3), molt `rlhf.learner.muon.MuonAdamW`;
+            both halves follow the schedule.
         muon_lr: Peak learning rate of the Muon half (OpenRLHF's ``--actor.muon.lr``).
         muon_momentum: Muon's momentum β (``--actor.muon.momentum``).
     """

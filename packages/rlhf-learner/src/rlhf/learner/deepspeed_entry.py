@@ -102,7 +102,8 @@ def _muon_problems(ds: DeepSpeedConfig, *, grad_clip: float, flag: str) -> list[
             "(OpenRLHF's --actor.max_norm): DeepSpeed's Muon clips after its Newton-Schulz "
             "step, so the bound would measure the orthogonalised updates (about "
             "sqrt(sum of min(rows, cols)) over the matrices) and shrink every step; set "
-            f"--{flag}.optimizer.grad_clip 0 with Muon"
+            f"--{flag}.optimizer.grad_clip 0 with Muon, or train with --{flag}.backend molt, "
+            "whose Muon clips the gradients before it"
         )
     if ds.zero_stage == 0:
         problems.append(

@@ -55,6 +55,7 @@ from rlhf.learner.forward import (
     lm_head_parts,
 )
 from rlhf.learner.models import fingerprint, load_model, merged_parameters
+from rlhf.learner.muon import build_muon
 from rlhf.learner.optim import build_optimizer
 from rlhf.molt.config import FSDPConfig, FSDPConfigError, check_context_parallel
 from rlhf.molt.loading import build_on_meta, materialize_and_load, sharded_loading_refused
@@ -215,7 +216,8 @@ class FSDPBackend:
             self.optimizer = HostAdamW(list(self._trainable()), config.optimizer)
             self.scheduler = self.optimizer.scheduler
         elif config.optimizer is not None:
-            self.optimizer, self.scheduler = build_optimizer(model, config.optimizer)
+            build = build_muon if config.optimizer.name == "muon" else build_optimizer
+            self.optimizer, self.scheduler = build(model, config.optimizer)
         model.eval()
         if config.model.chunked_lm_head:
             _offer_forward_with_head(model)
@@ -274,7 +276,9 @@ class FSDPBackend:
         if self._ema is not None and decay is not None:
             shared.ema_update(self._ema, ((n, _local(p)) for n, p in self._trainable()), decay)
         out["grad_norm"] = float(norm)
-        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])  # Muon's half's under Muon
+        if self.config.optimizer.name == "muon":
+            out["lr_adamw"] = float(self.optimizer.param_groups[-1]["lr"])
         self._module.eval()
         return out
 

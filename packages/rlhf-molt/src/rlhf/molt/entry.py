@@ -78,11 +78,17 @@ class MoltEntry:
                 "for LoRA"
             )
         if role.optimizer is not None and role.optimizer.name == "muon":
-            problems.append(
-                f"--{flag}.optimizer.name muon: FSDP2 shards every weight matrix across the "
-                "ranks and Muon orthogonalises whole matrices, which the molt backend does not "
-                f"gather yet; train with --{flag}.backend deepspeed (ZeRO 1-3) for Muon"
-            )
+            if options.offload == "optimizer":
+                problems.append(
+                    f"--{flag}.optimizer.name muon with --{flag}.fsdp.offload optimizer: the "
+                    f"host-side optimizer is AdamW only; use --{flag}.fsdp.offload none or full"
+                )
+            if options.tp_size > 1:
+                problems.append(
+                    f"--{flag}.optimizer.name muon with --{flag}.fsdp.tp_size "
+                    f"{options.tp_size}: Muon gathers each matrix from its FSDP shards, "
+                    "not yet across tensor-parallel ones; use tp_size 1 for Muon"
+                )
         if role.model.chunked_lm_head and options.tp_size > 1:
             problems.append(
                 f"--{flag}.model.chunked_lm_head with --{flag}.fsdp.tp_size "

@@ -125,11 +125,12 @@ DTYPE_BF16 = {"bf16": "True"}
 
 
 MUON_NESTEROV = (
-    "Muon's momentum is Nesterov's here (DeepSpeed's built-in Muon, as in OpenRLHF, where "
-    "the flag is a placeholder too)"
+    "Muon's momentum is Nesterov's here (DeepSpeed's built-in Muon and molt's alike; in "
+    "OpenRLHF the flag is a placeholder too)"
 )
 MUON_NS_STEPS = (
-    "DeepSpeed's Muon runs 5 Newton-Schulz steps (OpenRLHF's flag is a placeholder there too)"
+    "Muon runs 5 Newton-Schulz steps here (DeepSpeed's and molt's alike; OpenRLHF's flag is "
+    "a placeholder there too)"
 )
 
 

@@ -326,7 +326,7 @@ def demo_numbers(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-BENCH_MEMBER = {"capacity": "cli", "delta": "weights", "losses": "algos"}
+BENCH_MEMBER = {"capacity": "cli", "delta": "weights", "losses": "algos", "oversample": "rollout"}
 """Benchmarks named after what they measure rather than a member: the member they install."""
 
 

@@ -57,8 +57,10 @@ class RolloutConfig:
             first prompt groups to finish (in draw order), cancelling the rest in vLLM: the
             step stops waiting for its longest samples (`rlhf.rollout.sample_step`). The
             prompts drawn beyond the batch are used up; which groups finish first depends on
-            timing, so a run with a factor above 1 is not reproducible sample for sample.
-            1 (default): every drawn prompt is trained on.
+            timing, so a run with a factor above 1 is not reproducible sample for sample, and
+            the batch leans to short responses (the cancelled groups are the long ones:
+            benchmarks/README.md, ``bench_oversample``). 1 (default): every drawn prompt is
+            trained on.
     """
 
     batch_size: int = 16

@@ -310,8 +310,9 @@ def learning_table(session: nox.Session) -> None:
     """Every RL preset on the demo task with one budget; rewrites the README's table."""
     _install_member(session, "cli")
     session.run(
-        "python", "-m", "rlhf.cli.learning_table", "--readme", str(ROOT / "README.md"),
-        "--run_dir", "runs/learning-table", *session.posargs, env=WRITE_BYTECODE,
+        "python", str(ROOT / "benchmarks" / "learning_table.py"),
+        "--readme", str(ROOT / "README.md"), "--run_dir", "runs/learning-table",
+        *session.posargs, env=WRITE_BYTECODE,
     )  # fmt: skip
 
 
@@ -321,7 +322,7 @@ def demo_numbers(session: nox.Session) -> None:
     they measured and the machine (keep the machine otherwise idle)."""
     _install_member(session, "cli")
     session.run(
-        "python", "-m", "rlhf.cli.demo_numbers", "--readme", str(ROOT / "README.md"),
+        "python", str(ROOT / "benchmarks" / "demo_numbers.py"), "--readme", str(ROOT / "README.md"),
         *session.posargs, env=WRITE_BYTECODE,
     )  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from .conftest import process_env, rlhf, small_run
 
 
 def test_learning_table_rows_and_the_distillation_note() -> None:
-    from rlhf.cli.learning_table import ROWS, Row, teacher_reached
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[3] / "benchmarks"))
+    from learning_table import ROWS, Row, teacher_reached
 
     assert len({row.key for row in ROWS}) == len(ROWS)  # each row its own run directory
     (distill,) = [row for row in ROWS if row.teacher]
@@ -67,6 +69,7 @@ ASYNC = ["--train.async_enable", "True", "--train.async_queue_size", "1"]
 
 HELD_REWARD = '''
 import os
+import pathlib
 import pathlib
 import time
 

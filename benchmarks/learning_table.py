@@ -5,7 +5,7 @@ prompts, seed) and is reported as held-out pass@1 after SFT and after RL, with w
 GRPO's RL stage also runs with its learners on molt (FSDP2) and with the gated train/rollout
 corrections, and on-policy distillation learns from GRPO's final policy (the note under the
 table says when it came within 0.02 of its teacher's pass@1).
-``python -m rlhf.cli.learning_table --readme README.md`` rewrites the table between the
+``python benchmarks/learning_table.py --readme README.md`` rewrites the table between the
 ``<!-- learning-table -->`` markers.
 """
 
@@ -16,9 +16,9 @@ import dataclasses
 import pathlib
 import re
 
+from demo_numbers import machine  # beside this script
 from rlhf.algos import RolloutCorrectionConfig
 from rlhf.cli.demo import DemoConfig, run_demo
-from rlhf.cli.demo_numbers import machine
 
 ALGOS = ("grpo", "ppo", "reinforce", "reinforce_baseline", "rloo", "dr_grpo")
 NAMES = {

@@ -1,5 +1,5 @@
-"""The README's demo numbers, measured: ``nox -s demo-numbers`` (or ``python -m
-rlhf.cli.demo_numbers --readme README.md``) runs ``rlhf demo`` a few times, each in a fresh
+"""The README's demo numbers, measured: ``nox -s demo-numbers`` (or ``python
+benchmarks/demo_numbers.py --readme README.md``) runs ``rlhf demo`` a few times, each in a fresh
 process as a user would, and writes what they measured, and on which machine, between the
 README's ``<!-- demo-numbers -->`` markers.
 

@@ -181,10 +181,9 @@ def test_an_engine_found_dead_during_a_sync_is_restarted_with_that_sync(assets, 
     from rlhf.agents import SamplingParams
     from rlhf.cli.revive import EngineReviver
     from rlhf.cli.roles import EngineLaunch, Roles
-    from rlhf.cli.sync import SenderTransport
     from rlhf.learner import SentWeights
     from rlhf.rollout import EngineConfig, EnginePool
-    from rlhf.weights import ObjectStoreSender, pack_buckets
+    from rlhf.weights import ObjectStoreSender, SenderTransport, pack_buckets
 
     config = EngineConfig(model=str(assets["model"]), dtype="float32", max_model_len=64)
     launch = EngineLaunch(config, num_engines=2, num_cpus=0.5, num_gpus=0.0, scheduling=None)
@@ -245,9 +244,9 @@ def test_a_broadcast_sync_replaces_engines_dead_before_it_and_dying_during_it(
 
     from rlhf.cli.revive import EngineReviver
     from rlhf.cli.roles import EngineLaunch, Roles
-    from rlhf.cli.sync import GroupTransport
     from rlhf.learner import RankSenders
     from rlhf.rollout import EngineConfig, EnginePool
+    from rlhf.weights import GroupTransport
 
     config = EngineConfig(model=str(assets["model"]), dtype="float32", max_model_len=64)
     launch = EngineLaunch(config, num_engines=2, num_cpus=0.5, num_gpus=0.0, scheduling=None)

@@ -2,21 +2,21 @@
 started again and the run goes on.
 
 The engine pool (`rlhf.rollout.EnginePool`) notices the death on a request
-(`rlhf.rollout.EngineDiedError`), the weight sync on loading (`rlhf.cli.sync.SenderTransport`);
+(`rlhf.rollout.EngineDiedError`), the weight sync on loading (`rlhf.weights.SenderTransport`);
 either calls the reviver made here, which restarts each dead engine once: a new engine with the
 dead one's settings, seed and placement-group bundle (`rlhf.cli.roles.EngineLaunch.restart`)
 takes the dead one's place in the run's engine list (which the transport, the hybrid
 turn-taking and the reports share) and in the pool's slot, loads the last weight sync (the
-version the other engines hold, `rlhf.cli.sync.SenderTransport.replace`), and a ``[fault]``
+version the other engines hold, `rlhf.weights.SenderTransport.replace`), and a ``[fault]``
 line says so; the pool re-issues the lost requests. Each step's metrics row carries
 ``rollout/engine_restarts`` (engines restarted since the run started).
 
 Over a broadcast group or CUDA IPC, whose last sync cannot be loaded again, an engine
 restarted between syncs loads the actor's weights alone through the object store
-(`rlhf.cli.sync.load_alone`; a broadcast group is formed anew, with it, before the next sync).
+(`rlhf.weights.load_alone`; a broadcast group is formed anew, with it, before the next sync).
 A broadcast sync finds dead engines itself, before it sends or when its send fails; it ends
 the live engines' receive, restarts the dead ones, forms the group anew and sends again
-(`rlhf.cli.sync.GroupTransport`). The actor's weights are the other
+(`rlhf.weights.GroupTransport`). The actor's weights are the other
 engines' only while the learners do not train ahead of them, so there, under
 ``--train.async_enable``, the death still stops the run with the command that resumes it
 (`rlhf.cli.faults`); so does it under ``--train.colocate_all`` on GPUs (the engines sleep and
@@ -33,14 +33,14 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlhf.cli.metrics import MetricsSink
-from rlhf.cli.sync import GroupTransport, SenderTransport
+from rlhf.weights import GroupTransport, SenderTransport
 from rlhf.weights import transport as transport_spec
 
 if TYPE_CHECKING:
     from rlhf.cli.roles import Roles
     from rlhf.cli.sections import TrainConfig
-    from rlhf.cli.sync import Transport
     from rlhf.rollout import RayEngine
+    from rlhf.weights import Transport
 
 
 class RevivableRun(Protocol):

@@ -43,14 +43,7 @@ from rlhf.cli.sampling import Executors, check_user_files, group_filter
 from rlhf.cli.sections import TrainConfig
 from rlhf.cli.startup import Stopwatch
 from rlhf.cli.stopping import Stopped, as_stopped
-from rlhf.cli.sync import (
-    Transport,
-    bucket_mib,
-    choose_transport,
-    engine_sync_parts,
-    open_transport,
-    report,
-)
+from rlhf.cli.sync import bucket_mib, choose_transport
 from rlhf.cli.trainer_state import save_hf_at
 from rlhf.cli.validation import teacher_vocabulary_problems
 from rlhf.learner import MicroBatching, Samples, make_experience, ppo_update
@@ -58,6 +51,7 @@ from rlhf.learner.prompts import Prompt, PromptSampler, check_prompts, prompt_so
 from rlhf.rollout import EngineDiedError, RolloutDump
 from rlhf.rollout.sampling import EmptyStepError, evaluate, sample_step, staleness
 from rlhf.rollout.schedule import Rollout, run_asynchronous, run_synchronous
+from rlhf.weights import Transport, engine_sync_parts, open_transport, sync_report
 
 
 def steps_of_episodes(config: RLConfig, *, echo: Callable[[str], None] = print) -> RLConfig:
@@ -232,7 +226,9 @@ def run_rl(
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
         if driver.transport is not None:
             driver.transport.close()
-            (run_dir / "sync.json").write_text(json.dumps(report(transport, why, roles.engines)))
+            (run_dir / "sync.json").write_text(
+                json.dumps(sync_report(transport, why, roles.engines))
+            )
         finished = True
         return {"last": driver.last, "evaluations": driver.evaluations}
     except (RayActorError, EngineDiedError) as exc:

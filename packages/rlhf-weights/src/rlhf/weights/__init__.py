@@ -4,7 +4,9 @@ The wire format (`WeightBucket`: a `BucketHeader` of tensor metadata and checksu
 flat byte buffer), packing (`iter_buckets`, streaming) and viewing (`iter_tensors`), whole-sync
 validation (`validate_sync`), and the transports (`rlhf.weights.transports`: object store, shared
 memory, CUDA IPC, gloo/NCCL broadcast), each registered with its facts (`TransportSpec` in
-`TRANSPORTS`; `choose` picks one for a `Placement`, `Sender`/`Receiver` are its ends). Torch
+`TRANSPORTS`; `choose` picks one for a `Placement`, `Sender`/`Receiver` are its ends), and
+the driving of a run's syncs from a learner (`WeightSource`) into its engines (`WeightSink`):
+`open_transport`, `rlhf.weights.drivers`. Torch
 only; Ray and CuPy are imported by the transports that need them. It imports no other rlhf
 package: the learner sends and the rollout receives through it.
 """
@@ -16,6 +18,18 @@ from rlhf.weights.checksums import (
     digest_of,
     span_digests,
     wsum64_each,
+)
+from rlhf.weights.drivers import (
+    GroupTransport,
+    SenderTransport,
+    SentSync,
+    Transport,
+    WeightSink,
+    WeightSource,
+    engine_sync_parts,
+    load_alone,
+    open_transport,
+    sync_report,
 )
 from rlhf.weights.format import (
     ALIGN,
@@ -84,6 +98,7 @@ __all__ = [
     "DeltaStats",
     "DeltaSync",
     "GroupMember",
+    "GroupTransport",
     "Measured",
     "ObjectStoreReceiver",
     "ObjectStoreSender",
@@ -91,12 +106,17 @@ __all__ = [
     "Placement",
     "Receiver",
     "Sender",
+    "SenderTransport",
+    "SentSync",
     "SharedMemoryReceiver",
     "SharedMemorySender",
     "SharedMemorySync",
     "TensorMeta",
+    "Transport",
     "TransportSpec",
     "WeightBucket",
+    "WeightSink",
+    "WeightSource",
     "WeightSyncError",
     "as_uint8",
     "checksum",
@@ -104,13 +124,17 @@ __all__ = [
     "count_buckets",
     "default_algorithm",
     "digest_of",
+    "engine_sync_parts",
     "iter_buckets",
     "iter_tensors",
+    "load_alone",
     "new_broadcast_group",
+    "open_transport",
     "pack_buckets",
     "receivers",
     "register",
     "span_digests",
+    "sync_report",
     "transport",
     "validate_sync",
     "wsum64_each",

@@ -260,6 +260,19 @@ def test_oversampling_draws_again_for_groups_the_filter_drops() -> None:
     assert rollout.sampler_state == {"drawn": 7}
 
 
+def test_a_failed_call_under_oversampling_raises_and_cancels_the_others() -> None:
+    # "x" is in no table: its call raises KeyError; "s" waits until cancelled.
+    executor = TableExecutor({"s": [1.0, 0.0]}, waits={"s": None})
+    with pytest.raises(KeyError, match="x"):
+        asyncio.run(
+            sample_step(
+                0, batch_size=1, n_samples_per_prompt=2, prompts=Prompts(["s", "x"]),
+                executor=executor, oversample=2.0,
+            )
+        )  # fmt: skip
+    assert executor.cancelled == ["s"]
+
+
 def test_oversampling_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="oversample must be at least 1, got 0.5"):
         asyncio.run(

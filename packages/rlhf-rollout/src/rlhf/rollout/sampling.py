@@ -126,7 +126,7 @@ class _Draw:
     """Prompts whose executor call was cancelled unfinished."""
 
 
-def _sort_groups(
+def _kept_groups(
     groups: Sequence[list[Trajectory]], keep_groups: GroupFilter | None, draw: _Draw
 ) -> list[list[Trajectory]]:
     """The groups ``keep_groups`` keeps (all of them without a filter); counts the others."""
@@ -155,7 +155,7 @@ async def _draw_all(
     )
     groups = complete_groups(draw.result.trajectories, n)
     draw.incomplete = len({t.prompt_index for t in draw.result.trajectories}) - len(groups)
-    draw.groups = _sort_groups(groups, keep_groups, draw)
+    draw.groups = _kept_groups(groups, keep_groups, draw)
     return draw
 
 
@@ -192,7 +192,7 @@ async def _draw_first(
                 results.append(result)
                 groups = complete_groups(result.trajectories, n)
                 draw.incomplete += len({t.prompt_index for t in result.trajectories}) - len(groups)
-                for group in _sort_groups(groups, keep_groups, draw):
+                for group in _kept_groups(groups, keep_groups, draw):
                     if len(kept) < need:
                         kept[calls[task]] = group
                     else:
@@ -201,6 +201,9 @@ async def _draw_first(
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        for task in calls:  # retrieved: a call that failed beside the one raised logs nothing
+            if task.done() and not task.cancelled():
+                task.exception()
     draw.cancelled = len(pending)
     draw.groups = [kept[i] for i in sorted(kept)]
     draw.result = merge_results(results)

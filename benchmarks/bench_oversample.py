@@ -135,7 +135,7 @@ def main() -> None:
         engine = VLLMEngine(
             EngineConfig(
                 model=str(make_checkpoint(pathlib.Path(tmp), args.vocab)),
-                dtype="bfloat16" if gpu else "float32", max_model_len=512,
+                dtype="bfloat16" if gpu else "float32", max_model_len=args.max_new + 64,
                 max_num_seqs=256 if gpu else 64, gpu_memory_utilization=0.5, enforce_eager=not gpu,
             )
         ).start()  # fmt: skip
